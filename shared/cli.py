@@ -1,0 +1,52 @@
+"""The ``steergate`` command: one entry point, each sub-command imported lazily so
+that ``steergate gateway`` never imports torch and ``steergate engine`` never
+imports the gateway."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from importlib import import_module
+
+USAGE = """usage: steergate COMMAND [ARGS...]
+
+commands:
+  engine --model PATH_OR_HF_ID [--port 8100] [vLLM args...]   stock vLLM + steering plugins
+  gateway [--port 8080]                                      the multi-tenant gateway
+  up [--model PATH_OR_HF_ID]                                 engine + gateway + demo tenant, all in one
+  tiny-model DIR                                             write a small random Llama
+  tenant create|list|show|update|delete ...                  admin: tenants
+  key create|list|revoke ...                                 admin: API keys
+  usage [TENANT]                                             admin: usage tables
+"""
+
+COMMANDS: dict[str, str] = {
+    "engine": "engine.launch:main",
+    "tiny-model": "engine.tiny_model:main",
+    "gateway": "gateway.server:main",
+    "up": "gateway.up:main",
+    "tenant": "gateway.admin_cli:tenant_main",
+    "key": "gateway.admin_cli:key_main",
+    "usage": "gateway.admin_cli:usage_main",
+}
+
+
+def _resolve(target: str) -> Callable[[list[str]], int | None]:
+    module, func = target.split(":")
+    return getattr(import_module(module), func)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in {"-h", "--help", "help"}:
+        print(USAGE)
+        return 0
+    command, rest = args[0], args[1:]
+    if command not in COMMANDS:
+        print(f"steergate: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    return int(_resolve(COMMANDS[command])(rest) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

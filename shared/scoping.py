@@ -1,0 +1,62 @@
+"""Tenant scoping of client-chosen identifiers.
+
+The engine keeps one global namespace for conversation ids and vector names (the
+original single-tenant design). The gateway closes it by rewriting every id to
+``<tenant>~<id>`` before the engine sees it. ``~`` can appear neither in a tenant
+id nor in a client id, so the split is unambiguous and one tenant can never
+produce another tenant's scoped form.
+"""
+
+from __future__ import annotations
+
+import re
+
+from shared.errors import InvalidField
+
+SEPARATOR = "~"
+
+TENANT_ID_RE = re.compile(r"^[a-z0-9-]{1,32}$")
+CONVERSATION_ID_RE = re.compile(r"^[A-Za-z0-9._:@-]{1,256}$")
+VECTOR_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+# What the engine accepts: the client forms above, optionally behind one tenant scope.
+ENGINE_CONVERSATION_ID_RE = re.compile(r"^(?:[a-z0-9-]{1,32}~)?[A-Za-z0-9._:@-]{1,256}$")
+ENGINE_VECTOR_NAME_RE = re.compile(r"^(?:[a-z0-9-]{1,32}~)?[A-Za-z0-9._-]{1,64}$")
+
+
+def check_conversation_id(value: object, param: str = "conversation_id") -> str:
+    if not isinstance(value, str) or not CONVERSATION_ID_RE.match(value):
+        raise InvalidField(
+            param,
+            f"'{param}' must be 1-256 characters of [A-Za-z0-9._:@-]",
+            code="invalid_conversation_id",
+        )
+    return value
+
+
+def check_vector_name(value: object, param: str = "name") -> str:
+    if not isinstance(value, str) or not VECTOR_NAME_RE.match(value):
+        raise InvalidField(
+            param, f"'{param}' must be 1-64 characters of [A-Za-z0-9._-]", code="invalid_vector_name"
+        )
+    return value
+
+
+def check_tenant_id(value: object, param: str = "id") -> str:
+    if not isinstance(value, str) or not TENANT_ID_RE.match(value):
+        raise InvalidField(param, f"'{param}' must be 1-32 characters of [a-z0-9-]", code="invalid_tenant_id")
+    return value
+
+
+def scope(tenant_id: str, local_id: str) -> str:
+    """The engine-side form of a tenant's conversation id or vector name."""
+    return f"{tenant_id}{SEPARATOR}{local_id}"
+
+
+def tenant_prefix(tenant_id: str) -> str:
+    return f"{tenant_id}{SEPARATOR}"
+
+
+def unscope(tenant_id: str, scoped: str) -> str | None:
+    """The client form, or None when ``scoped`` does not belong to ``tenant_id``."""
+    prefix = tenant_prefix(tenant_id)
+    return scoped[len(prefix):] if scoped.startswith(prefix) else None

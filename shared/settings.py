@@ -1,0 +1,63 @@
+"""Settings, one pydantic-settings class per component.
+
+Environment names are fixed by the contract; ``REDIS_URL`` is the only one
+without the ``STEERGATE_`` prefix. CLI flags override by passing keyword values.
+"""
+
+from __future__ import annotations
+
+from pydantic import AliasChoices, Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class EngineSettings(BaseSettings):
+    """Read by the engine's plugins inside vLLM's API-server process."""
+
+    model_config = SettingsConfigDict(env_prefix="STEERGATE_", extra="ignore")
+
+    engine_token: SecretStr | None = Field(
+        default=None, description="Shared secret every engine route requires (Authorization: Bearer)."
+    )
+    max_latched_conversations: int = Field(default=1024, ge=0, description="Latch controller count cap.")
+    max_latched_bytes: int = Field(default=268435456, ge=0, description="Latch controller byte cap.")
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="STEERGATE_", extra="ignore")
+
+    redis_url: str | None = Field(
+        default=None,
+        validation_alias=AliasChoices("REDIS_URL", "redis_url"),
+        description="redis://, rediss:// or redis+cluster://; unset means the embedded single-process store.",
+    )
+    engine_urls: str = Field(
+        default="http://127.0.0.1:8100", description="Comma-separated engine base URLs."
+    )
+    engine_token: SecretStr | None = Field(default=None, description="Secret presented to the engines.")
+    admin_key: SecretStr | None = Field(default=None, description="Bootstrap admin key.")
+    key_pepper: SecretStr | None = Field(default=None, description="Server-side secret mixed into API-key hashes.")
+    max_body_bytes: int = Field(default=8388608, ge=1024, description="Larger request bodies get 413.")
+    host: str = Field(default="127.0.0.1", description="Address the gateway binds.")
+    port: int = Field(default=8080, description="Port the gateway binds.")
+    rate_limit_fail_open: bool = Field(
+        default=False,
+        description="Admit requests unmetered when Redis is unreachable (default: fail closed with 503).",
+    )
+    redis_timeout_s: float = Field(default=0.5, gt=0, description="Per-command Redis timeout.")
+    engine_connect_timeout_s: float = Field(default=5.0, gt=0, description="Engine connect timeout.")
+    engine_read_timeout_s: float = Field(default=600.0, gt=0, description="Engine read timeout (504 past it).")
+    reconcile_interval_s: float = Field(
+        default=5.0, gt=0, description="How often latch accounting is checked against the engines."
+    )
+
+    @field_validator("engine_urls")
+    @classmethod
+    def _strip(cls, v: str) -> str:
+        urls = [u.strip().rstrip("/") for u in v.split(",") if u.strip()]
+        if not urls:
+            raise ValueError("STEERGATE_ENGINE_URLS must name at least one engine")
+        return ",".join(urls)
+
+    @property
+    def engine_url_list(self) -> list[str]:
+        return self.engine_urls.split(",")

@@ -1,0 +1,248 @@
+"""The ``steering`` request object: parsing and validation, shared by both sides.
+
+The gateway validates to answer 400s before spending a rate-limit slot on the
+engine, and to know a latch's size up front; the engine validates again because it
+also serves single-tenant callers directly. One parser keeps both answers equal.
+
+Every rejection is an :class:`~shared.errors.InvalidField` whose ``param`` is the
+JSON path of the offending value, e.g. ``steering.vectors[2].layers.7``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import numpy as np
+
+from shared.codecs import DTYPES, CodecError, b64decode_strict, decode_packed_bytes
+from shared.errors import InvalidField
+
+HOOKS: tuple[str, ...] = ("pre_attn", "post_attn", "post_block")
+PHASES: tuple[str, ...] = ("all", "prefill", "decode")
+MAX_TERMS = 256
+FLOAT32_BYTES = 4
+
+Site = tuple[str, int]  # (hook, layer)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What validation needs to know about the served model."""
+
+    hidden_size: int
+    num_layers: int
+
+
+@dataclass(frozen=True)
+class NamedTerm:
+    name: str
+    scale: float = 1.0
+    index: int = 0  # position in ``vectors``, for error messages
+
+
+@dataclass(frozen=True)
+class InlineTerm:
+    hook: str
+    layers: dict[int, np.ndarray] = field(hash=False)
+    scale: float = 1.0
+    index: int = 0
+
+
+Term = Union[NamedTerm, InlineTerm]
+
+
+@dataclass(frozen=True)
+class SteeringRequest:
+    terms: tuple[Term, ...]
+    phase: str = "all"
+    latch: bool = False
+
+    @property
+    def names(self) -> list[str]:
+        return [t.name for t in self.terms if isinstance(t, NamedTerm)]
+
+    def inline_sites(self) -> set[Site]:
+        return {(t.hook, layer) for t in self.terms if isinstance(t, InlineTerm) for layer in t.layers}
+
+    def inline_latch_bytes(self, hidden_size: int) -> int:
+        """Bytes a by-value latch of this request holds: one float32 vector per
+        distinct inline (hook, layer) after summing its terms."""
+        return FLOAT32_BYTES * hidden_size * len(self.inline_sites())
+
+
+def parse_steering(obj: Any, shape: ModelShape | None, param: str = "steering") -> SteeringRequest:
+    """Validate a ``steering`` object. ``shape=None`` checks structure only
+    (lengths and layer ranges are then left to whoever knows the model)."""
+    if not isinstance(obj, dict):
+        raise InvalidField(param, f"'{param}' must be an object")
+    _reject_unknown(obj, {"vectors", "phase", "latch"}, param)
+    phase = obj.get("phase", "all")
+    if phase not in PHASES:
+        raise InvalidField(f"{param}.phase", f"'{param}.phase' must be one of {', '.join(PHASES)}")
+    latch = obj.get("latch", False)
+    if not isinstance(latch, bool):
+        raise InvalidField(f"{param}.latch", f"'{param}.latch' must be a boolean")
+    vectors = obj.get("vectors", [])
+    if not isinstance(vectors, list):
+        raise InvalidField(f"{param}.vectors", f"'{param}.vectors' must be an array")
+    if len(vectors) > MAX_TERMS:
+        raise InvalidField(
+            f"{param}.vectors", f"'{param}.vectors' has {len(vectors)} terms; at most {MAX_TERMS} are allowed"
+        )
+    if latch and not vectors:
+        raise InvalidField(f"{param}.vectors", f"'{param}.latch' needs at least one vector to keep")
+    terms = tuple(parse_term(v, shape, f"{param}.vectors[{i}]", i) for i, v in enumerate(vectors))
+    return SteeringRequest(terms=terms, phase=phase, latch=latch)
+
+
+def parse_term(obj: Any, shape: ModelShape | None, param: str, index: int = 0) -> Term:
+    if not isinstance(obj, dict):
+        raise InvalidField(param, f"'{param}' must be an object")
+    scale = _parse_scale(obj.get("scale", 1.0), f"{param}.scale")
+    if "name" in obj:
+        _reject_unknown(obj, {"name", "scale"}, param)
+        name = obj["name"]
+        if not isinstance(name, str) or not name:
+            raise InvalidField(f"{param}.name", f"'{param}.name' must be a non-empty string")
+        return NamedTerm(name=name, scale=scale, index=index)
+    _reject_unknown(obj, {"hook", "layers", "packed", "scale"}, param)
+    hook = parse_hook(obj.get("hook"), f"{param}.hook")
+    layers = parse_layers_or_packed(obj, shape, param)
+    return InlineTerm(hook=hook, layers=layers, scale=scale, index=index)
+
+
+def parse_vector_body(obj: Any, shape: ModelShape | None) -> tuple[str, dict[int, np.ndarray], str | None]:
+    """A named-vector registration body ``{hook, layers|packed, description?}``."""
+    if not isinstance(obj, dict):
+        raise InvalidField("body", "the request body must be a JSON object")
+    _reject_unknown(obj, {"hook", "layers", "packed", "description"}, None)
+    hook = parse_hook(obj.get("hook"), "hook")
+    description = obj.get("description")
+    if description is not None and (not isinstance(description, str) or len(description) > 1024):
+        raise InvalidField("description", "'description' must be a string of at most 1024 characters")
+    return hook, parse_layers_or_packed(obj, shape, None), description
+
+
+def parse_hook(value: Any, param: str) -> str:
+    if value not in HOOKS:
+        raise InvalidField(param, f"'{param}' must be one of {', '.join(HOOKS)}; got {_short(value)}")
+    return str(value)
+
+
+def parse_layers_or_packed(obj: Mapping[str, Any], shape: ModelShape | None, param: str | None) -> dict[int, np.ndarray]:
+    prefix = f"{param}." if param else ""
+    has_layers, has_packed = "layers" in obj, "packed" in obj
+    if has_layers == has_packed:
+        raise InvalidField(
+            f"{prefix}layers", f"exactly one of '{prefix}layers' or '{prefix}packed' must be given"
+        )
+    if has_layers:
+        return _parse_layers(obj["layers"], shape, f"{prefix}layers")
+    return _parse_packed(obj["packed"], shape, f"{prefix}packed")
+
+
+def check_vectors(layers: Mapping[int, np.ndarray], shape: ModelShape, param: str) -> None:
+    """Layer range, length and finiteness of already-decoded vectors (e.g. GGUF)."""
+    for layer, vec in layers.items():
+        _check_layer(layer, shape, f"{param}.{layer}")
+        _check_vector(vec, shape, f"{param}.{layer}")
+
+
+def _parse_layers(obj: Any, shape: ModelShape | None, param: str) -> dict[int, np.ndarray]:
+    if not isinstance(obj, dict) or not obj:
+        raise InvalidField(param, f"'{param}' must be a non-empty object of layer index -> array of numbers")
+    out: dict[int, np.ndarray] = {}
+    for key, values in obj.items():
+        p = f"{param}.{key}"
+        if not isinstance(key, str) or not key.isdigit() or (len(key) > 1 and key[0] == "0"):
+            raise InvalidField(p, f"'{p}': layer keys must be 0-based decimal integers")
+        layer = int(key)
+        _check_layer(layer, shape, p)
+        if not isinstance(values, list) or not values:
+            raise InvalidField(p, f"'{p}' must be a non-empty array of numbers")
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            raise InvalidField(p, f"'{p}' must contain only numbers")
+        with np.errstate(over="ignore"):  # values past float32's range become inf, rejected below
+            vec = np.asarray(values, dtype=np.float64).astype(np.float32)
+        _check_vector(vec, shape, p)
+        out[layer] = vec
+    return out
+
+
+def _parse_packed(obj: Any, shape: ModelShape | None, param: str) -> dict[int, np.ndarray]:
+    if not isinstance(obj, dict):
+        raise InvalidField(param, f"'{param}' must be an object")
+    _reject_unknown(obj, {"dtype", "shape", "layer_indices", "data"}, param)
+    dtype = obj.get("dtype", "float32")
+    if dtype not in DTYPES:
+        raise InvalidField(f"{param}.dtype", f"'{param}.dtype' must be one of {', '.join(DTYPES)}")
+    dims = obj.get("shape")
+    if (
+        not isinstance(dims, list)
+        or len(dims) != 2
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in dims)
+    ):
+        raise InvalidField(f"{param}.shape", f"'{param}.shape' must be [num_layers, hidden_size] of positive integers")
+    rows, width = dims
+    if shape is not None and width != shape.hidden_size:
+        raise InvalidField(
+            f"{param}.shape", f"'{param}.shape' has width {width}; the model's hidden size is {shape.hidden_size}"
+        )
+    indices = obj.get("layer_indices")
+    if not isinstance(indices, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in indices):
+        raise InvalidField(f"{param}.layer_indices", f"'{param}.layer_indices' must be an array of integers")
+    if len(indices) != rows:
+        raise InvalidField(
+            f"{param}.layer_indices", f"'{param}.layer_indices' has {len(indices)} entries but shape has {rows} rows"
+        )
+    if len(set(indices)) != len(indices):
+        raise InvalidField(f"{param}.layer_indices", f"'{param}.layer_indices' must not repeat a layer")
+    for i in indices:
+        _check_layer(i, shape, f"{param}.layer_indices")
+    data = obj.get("data")
+    if not isinstance(data, str):
+        raise InvalidField(f"{param}.data", f"'{param}.data' must be a base64 string")
+    try:
+        flat = decode_packed_bytes(b64decode_strict(data), dtype, rows * width)
+    except CodecError as exc:
+        raise InvalidField(f"{param}.data", f"'{param}.data' {exc}") from exc
+    matrix = flat.reshape(rows, width)
+    if not np.isfinite(matrix).all():
+        raise InvalidField(f"{param}.data", f"'{param}.data' contains NaN or Inf")
+    return {int(layer): matrix[r].copy() for r, layer in enumerate(indices)}
+
+
+def _check_layer(layer: int, shape: ModelShape | None, param: str) -> None:
+    if layer < 0 or (shape is not None and layer >= shape.num_layers):
+        bound = f"0..{shape.num_layers - 1}" if shape is not None else ">= 0"
+        raise InvalidField(param, f"'{param}': layer {layer} is out of range ({bound})")
+
+
+def _check_vector(vec: np.ndarray, shape: ModelShape | None, param: str) -> None:
+    if shape is not None and vec.shape != (shape.hidden_size,):
+        raise InvalidField(
+            param, f"'{param}' has length {vec.size}; the model's hidden size is {shape.hidden_size}"
+        )
+    if not np.isfinite(vec).all():
+        raise InvalidField(param, f"'{param}' contains NaN or Inf")
+
+
+def _parse_scale(value: Any, param: str) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise InvalidField(param, f"'{param}' must be a finite number")
+    return float(value)
+
+
+def _reject_unknown(obj: Mapping[str, Any], allowed: set[str], param: str | None) -> None:
+    for key in obj:
+        if key not in allowed:
+            p = f"{param}.{key}" if param else str(key)
+            raise InvalidField(p, f"unknown field '{p}'")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."

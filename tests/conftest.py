@@ -1,0 +1,39 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.harness import EngineProcess, RedisProcess, tiny_model_dir
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisProcess]:
+    """A real redis-server on a free loopback port, for the whole session."""
+    server = RedisProcess().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture()
+def redis_url(redis_server: RedisProcess) -> str:
+    """A clean database for each test (restarted if a test stopped it)."""
+    if redis_server.proc is None:
+        redis_server.start()
+    redis_server.flush()
+    return redis_server.url
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    return tiny_model_dir()
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_model: Path) -> Iterator[EngineProcess]:
+    """The real vLLM CPU engine with default caps, default compile mode, shared by
+    every test that does not need its own caps."""
+    proc = EngineProcess(tiny_model).start()
+    yield proc
+    proc.stop()

@@ -1,0 +1,144 @@
+"""Real processes for tests: a Redis server and a vLLM CPU engine on free loopback
+ports. Tests can stop and restart them to prove failure behaviour."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = Path(os.environ.get("STEERGATE_TEST_CACHE", ROOT / ".cache" / "tests"))
+ENGINE_TOKEN = "test-engine-token-0123456789abcdef"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_port(port: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            s.settimeout(0.2)
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return True
+        time.sleep(0.05)
+    return False
+
+
+@dataclass
+class RedisProcess:
+    """``redis-server`` on its own port and folder; ``stop()``/``start()`` keep the port."""
+
+    port: int = field(default_factory=free_port)
+    dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="sg-redis-"))
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisProcess:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RuntimeError("redis-server is not installed (.ci/run installs it)")
+        self.proc = subprocess.Popen(
+            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", self.dir],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        if not wait_port(self.port, 10):
+            raise RuntimeError("redis-server did not start")
+        return self
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.proc = None
+
+    def flush(self) -> None:
+        import redis
+
+        redis.Redis(port=self.port).flushall()
+
+
+def tiny_model_dir() -> Path:
+    """The tiny model, generated once per cache folder (deterministic)."""
+    path = CACHE / "tiny-model"
+    if not (path / "config.json").exists():
+        subprocess.run(
+            [sys.executable, "-m", "shared.cli", "tiny-model", str(path)], check=True, cwd=ROOT
+        )
+    return path
+
+
+@dataclass
+class EngineProcess:
+    """``steergate engine`` serving the tiny model on CPU."""
+
+    model: Path
+    env: dict[str, str] = field(default_factory=dict)
+    extra_args: list[str] = field(default_factory=list)
+    port: int = field(default_factory=free_port)
+    token: str = ENGINE_TOKEN
+    proc: subprocess.Popen | None = None
+    log_path: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
+
+    def start(self, timeout: float = 400.0) -> EngineProcess:
+        env = {**os.environ, "STEERGATE_ENGINE_TOKEN": self.token, "VLLM_CPU_KVCACHE_SPACE": "1",
+               **self.env}
+        CACHE.mkdir(parents=True, exist_ok=True)
+        self.log_path = CACHE / f"engine-{self.port}.log"
+        log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "shared.cli", "engine", "--model", str(self.model),
+             "--port", str(self.port), *self.extra_args],
+            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"engine exited early; log: {self.log_tail()}")
+            try:
+                r = httpx.get(f"{self.url}/v1/steering/info", headers=self.headers, timeout=2)
+                if r.status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise RuntimeError(f"engine not ready in {timeout}s; log: {self.log_tail()}")
+
+    def log_tail(self, n: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-n:] if self.log_path else ""
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self.proc = None
