@@ -1,0 +1,219 @@
+"""Gateway overhead benchmark.
+
+Starts a real redis-server, a fast mock upstream (raw ASGI under uvicorn, its own
+process) and the gateway (``steergate gateway``, its own process); then measures
+  * added latency p50/p99 at concurrency 1: gateway -> mock vs mock directly,
+  * throughput through the gateway at concurrency 32,
+  * Redis commands per request (INFO commandstats delta / requests).
+
+    .venv/bin/python bench/gateway_overhead.py [--requests 2000] [--seconds 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+BODY = (
+    b'{"id":"cmpl-1","object":"chat.completion","created":1,"model":"m","choices":[{"index":0,'
+    b'"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],'
+    b'"usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6},'
+    b'"steering":{"applied":false,"latch":"none"}}'
+)
+INFO = (
+    b'{"model":"m","hidden_size":8,"num_layers":4,"max_latched_conversations":1024,'
+    b'"max_latched_bytes":268435456,"epoch":"bench"}'
+)
+
+
+async def mock_app(scope, receive, send):  # type: ignore[no-untyped-def]
+    """The fastest plausible engine: a fixed answer, no parsing."""
+    if scope["type"] == "lifespan":
+        while True:
+            msg = await receive()
+            if msg["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            else:
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+    while (await receive()).get("more_body"):
+        pass
+    body = (
+        INFO
+        if scope["path"] == "/v1/steering/info"
+        else (b"[]" if "latches" in scope["path"] else BODY)
+    )
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", b"application/json"), (b"x-steering-latch", b"none")],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+def pct(values: list[float], p: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(p / 100 * len(values)))]
+
+
+async def latencies(url: str, headers: dict[str, str], n: int) -> list[float]:
+    import httpx
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 1}
+    out = []
+    async with httpx.AsyncClient() as c:
+        for _ in range(50):
+            await c.post(url, json=body, headers=headers)
+        for _ in range(n):
+            t0 = time.perf_counter()
+            r = await c.post(url, json=body, headers=headers)
+            out.append((time.perf_counter() - t0) * 1000)
+            assert r.status_code == 200, r.text
+    return out
+
+
+async def throughput(
+    url: str, headers: dict[str, str], seconds: float, conc: int
+) -> tuple[float, int]:
+    import httpx
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 1}
+    done, errors = 0, 0
+    deadline = time.perf_counter() + seconds
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=conc)) as c:
+
+        async def worker() -> None:
+            nonlocal done, errors
+            while time.perf_counter() < deadline:
+                r = await c.post(url, json=body, headers=headers)
+                done += 1
+                errors += r.status_code != 200
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(conc)))
+        return done / (time.perf_counter() - t0), errors
+
+
+def redis_calls(port: int) -> int:
+    import redis
+
+    stats = redis.Redis(port=port).info("commandstats")
+    return sum(int(v["calls"]) for k, v in stats.items() if k not in ("cmdstat_info",))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--concurrency", type=int, default=32)
+    args = ap.parse_args()
+
+    from tests.harness import RedisProcess, free_port, wait_port
+
+    redis_proc = RedisProcess().start()
+    mock_port, gw_port = free_port(), free_port()
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "uvicorn",
+                "bench.gateway_overhead:mock_app",
+                "--port",
+                str(mock_port),
+                "--log-level",
+                "warning",
+                "--no-access-log",
+            ],
+            cwd=ROOT,
+        )
+    ]
+    env = {
+        **os.environ,
+        "REDIS_URL": redis_proc.url,
+        "STEERGATE_ENGINE_URLS": f"http://127.0.0.1:{mock_port}",
+        "STEERGATE_ENGINE_TOKEN": "bench",
+        "STEERGATE_ADMIN_KEY": "bench-admin",
+        "STEERGATE_KEY_PEPPER": "bench-pepper",
+    }
+    procs.append(
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "shared.cli",
+                "gateway",
+                "--port",
+                str(gw_port),
+                "--log-level",
+                "warning",
+            ],
+            cwd=ROOT,
+            env=env,
+        )
+    )
+    try:
+        assert wait_port(mock_port, 20) and wait_port(gw_port, 20), "servers did not start"
+        import redis.asyncio as aioredis
+
+        from gateway.tenants import TenantStore
+
+        async def tenant() -> str:
+            client = aioredis.Redis.from_url(redis_proc.url, decode_responses=True)
+            store = TenantStore(client, "bench-pepper")
+            await store.create(
+                "bench",
+                limits={"rpm": 10**9, "tpm": 10**12, "max_concurrency": 10**4},
+                allow_overcommit=True,
+            )
+            key = (await store.create_key("bench"))[1]
+            await client.aclose()
+            return key
+
+        key = asyncio.run(tenant())
+        gh = {"Authorization": f"Bearer {key}"}
+        direct = asyncio.run(
+            latencies(f"http://127.0.0.1:{mock_port}/v1/chat/completions", {}, args.requests)
+        )
+        before = redis_calls(redis_proc.port)
+        via = asyncio.run(
+            latencies(f"http://127.0.0.1:{gw_port}/v1/chat/completions", gh, args.requests)
+        )
+        time.sleep(0.5)  # let settlement flush
+        per_req = (redis_calls(redis_proc.port) - before) / (args.requests + 50)
+        rps, errors = asyncio.run(
+            throughput(
+                f"http://127.0.0.1:{gw_port}/v1/chat/completions",
+                gh,
+                args.seconds,
+                args.concurrency,
+            )
+        )
+        d50, d99 = statistics.median(direct), pct(direct, 99)
+        g50, g99 = statistics.median(via), pct(via, 99)
+        print(f"direct  p50 {d50:.3f} ms  p99 {d99:.3f} ms")
+        print(f"gateway p50 {g50:.3f} ms  p99 {g99:.3f} ms")
+        print(f"added   p50 {g50 - d50:.3f} ms  p99 {g99 - d99:.3f} ms")
+        print(f"throughput c={args.concurrency}: {rps:.0f} req/s ({errors} errors)")
+        print(f"redis commands per request: {per_req:.2f} (INFO commandstats delta)")
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(10)
+        redis_proc.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

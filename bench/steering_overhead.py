@@ -1,0 +1,152 @@
+"""Decode throughput with 16 differently steered requests vs. the same batch unsteered.
+
+Generates a random Llama (hidden 1024, 8 layers, 16 heads of 64) into a temp dir,
+runs vLLM offline (``vllm.LLM``, default compile mode, steergate plugin loaded)
+and times ``generate`` for one batch of ``--batch`` requests, alternating
+unsteered and steered runs so that machine noise hits both alike; prints medians.
+
+Steered: every request has its own configuration (distinct vectors) on every
+layer, at ``post_block`` (``--hooks post_block``) or at all three hooks
+(``--hooks all``), so every step gathers from ``batch`` different slots.
+
+    VLLM_CPU_KVCACHE_SPACE=2 .venv/bin/python bench/steering_overhead.py --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _payloads(n: int, hidden: int, layers: int, hooks: list[str]) -> list[str]:
+    import numpy as np
+
+    from engine.payload import encode_payload
+
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(n):
+        sites = {(h, layer): (rng.normal(size=hidden) * 0.05).astype(np.float32)
+                 for h in hooks for layer in range(layers)}
+        out.append(encode_payload("all", sites)[0])
+    return out
+
+
+def _micro(hidden: int, sites: int, tokens: int, iters: int = 2000) -> None:
+    """The op alone, per forward (all sites), for one decode step of ``tokens`` tokens:
+    idle (no live table: the CPU early exit) and active (every token its own slot)."""
+    import torch
+
+    from engine.worker import op
+
+    tables = [torch.zeros(tokens + 1, hidden, dtype=torch.bfloat16) for _ in range(sites)]
+    index = torch.arange(1, tokens + 1)
+    hidden_states = torch.zeros(tokens, hidden, dtype=torch.bfloat16)
+
+    def per_forward() -> float:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            for t in tables:
+                torch.ops.steergate.steer(hidden_states, t, index)
+        return (time.perf_counter() - t0) / iters * 1e6
+
+    idle = min(per_forward() for _ in range(3))
+    for t in tables:
+        op.mark_live(t, True)
+    active = min(per_forward() for _ in range(3))
+    print(f"op alone, {sites} sites x {tokens} tokens x {hidden}: idle {idle:.0f} us/forward, "
+          f"active {active:.0f} us/forward")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--prompt-tokens", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--hooks", choices=["post_block", "all"], default="post_block")
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--model", help="use this model folder instead of generating one")
+    args = ap.parse_args(argv)
+
+    os.environ["VLLM_PLUGINS"] = "steergate"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    sys.path.insert(0, str(ROOT))
+
+    from engine.tiny_model import generate
+
+    tmp = tempfile.TemporaryDirectory(prefix="sg-bench-")
+    model = args.model or str(generate(
+        tmp.name, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.hidden // 64,
+        num_kv_heads=max(1, args.hidden // 256), intermediate_size=args.hidden * 11 // 4, seed=0,
+    ))
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=model, dtype=args.dtype, seed=0, max_num_seqs=max(16, args.batch),
+              enable_prefix_caching=False)
+    cfg = llm.llm_engine.vllm_config.model_config
+    parallel = llm.llm_engine.vllm_config.parallel_config
+    hidden, layers = cfg.get_hidden_size(), cfg.get_num_layers(parallel)
+    hooks = ["pre_attn", "post_attn", "post_block"] if args.hooks == "all" else ["post_block"]
+    payloads = _payloads(args.batch, hidden, layers, hooks)
+    prompts = [
+        TokensPrompt(prompt_token_ids=[10 + (i * 7 + j) % 500 for j in range(args.prompt_tokens)])
+        for i in range(args.batch)
+    ]
+
+    def params(payload: str | None) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True,
+                              extra_args={"steergate": payload} if payload else None)
+
+    plain = [params(None) for _ in range(args.batch)]
+    steered = [params(p) for p in payloads]
+
+    def run(sp: list[SamplingParams]) -> float:
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        assert sum(len(o.outputs[0].token_ids) for o in outs) == args.batch * args.max_tokens
+        return args.batch * args.max_tokens / dt
+
+    # Sanity: steering really reaches the model (otherwise the numbers mean nothing).
+    a = llm.generate(prompts[:1], plain[:1], use_tqdm=False)[0].outputs[0].token_ids
+    strong = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True,
+                            extra_args={"steergate": _payloads(1, hidden, layers, hooks)[0]})
+    b = llm.generate(prompts[:1], [strong], use_tqdm=False)[0].outputs[0].token_ids
+    print(f"steering changes the output: {list(a) != list(b)}")
+
+    run(plain), run(steered)  # warm-up (compiles remaining shapes, fills caches)
+    tp_plain: list[float] = []
+    tp_steered: list[float] = []
+    for i in range(args.repeats):
+        order = [(tp_plain, plain), (tp_steered, steered)]
+        for bucket, sp in (order if i % 2 == 0 else order[::-1]):
+            bucket.append(run(sp))
+    mp, ms = statistics.median(tp_plain), statistics.median(tp_steered)
+    bp, bs = max(tp_plain), max(tp_steered)
+    print(f"model: hidden {hidden}, {layers} layers, dtype {cfg.dtype}; batch {args.batch}, "
+          f"prompt {args.prompt_tokens} tokens, {args.max_tokens} new tokens, hooks {args.hooks} "
+          f"({len(hooks) * layers} sites per request, {args.batch} distinct configs)")
+    print("unsteered tok/s: " + ", ".join(f"{x:.1f}" for x in tp_plain))
+    print("steered   tok/s: " + ", ".join(f"{x:.1f}" for x in tp_steered))
+    print(f"median unsteered {mp:.1f} tok/s, steered {ms:.1f} tok/s, ratio {ms / mp:.3f}")
+    print(f"best   unsteered {bp:.1f} tok/s, steered {bs:.1f} tok/s, ratio {bs / bp:.3f}")
+    _micro(hidden, len(hooks) * layers, args.batch)
+    tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

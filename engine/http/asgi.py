@@ -1,0 +1,78 @@
+"""Small raw-ASGI helpers shared by the middlewares (no Starlette request objects,
+so nothing buffers a streamed response)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from shared.errors import APIError
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+RawHeaders = list[tuple[bytes, bytes]]
+
+
+def header(headers: RawHeaders, name: bytes) -> bytes | None:
+    for key, value in headers:
+        if key.lower() == name:
+            return value
+    return None
+
+
+def replace_header(headers: RawHeaders, name: bytes, value: bytes | None) -> RawHeaders:
+    """Drop every ``name`` header, then append ``value`` unless it is None."""
+    out = [(k, v) for k, v in headers if k.lower() != name]
+    if value is not None:
+        out.append((name, value))
+    return out
+
+
+async def send_json(
+    send: Send, status: int, body: Any, extra_headers: RawHeaders | None = None
+) -> None:
+    raw = json.dumps(body, separators=(",", ":")).encode()
+    headers: RawHeaders = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(raw)).encode()),
+        *(extra_headers or []),
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": raw, "more_body": False})
+
+
+async def send_error(send: Send, exc: APIError, extra_headers: RawHeaders | None = None) -> None:
+    headers = [(k.lower().encode(), v.encode()) for k, v in exc.headers.items()]
+    await send_json(send, exc.status, exc.body(), [*headers, *(extra_headers or [])])
+
+
+async def read_body(receive: Receive) -> bytes | None:
+    """The whole request body, or None if the client disconnected first."""
+    chunks: list[bytes] = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def replay(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that yields ``body`` once, then defers to the real one (so the
+    app still sees the client's disconnect)."""
+    sent = False
+
+    async def _receive() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return _receive

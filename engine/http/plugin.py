@@ -1,0 +1,96 @@
+"""The ``vllm.endpoint_plugins`` entry point: a thin adapter between vLLM's API server
+and the pure modules (latch, registry, resolve).
+
+``attach_router`` runs in ``build_app`` before vLLM adds its own middlewares, so
+ours sit inside vLLM's (CORS stays outermost, which keeps preflight working) and
+outside the router. Order, outermost first: token auth, then the steering rewrite.
+"""
+
+from __future__ import annotations
+
+import logging
+from argparse import Namespace
+from typing import Any
+
+from fastapi import FastAPI
+
+from engine.http.auth import EngineTokenMiddleware
+from engine.http.rewrite import SteeringRewriteMiddleware
+from engine.http.routes import build_router
+from engine.http.runtime import RuntimeRef, SteeringRuntime
+from shared.settings import EngineSettings
+from shared.steering import ModelShape
+
+log = logging.getLogger("steergate.http")
+
+
+class SteeringEndpointPlugin:
+    name = "steergate"
+    # None: load for every task set. The token middleware comes with this plugin, so
+    # gating it on "generate" would leave a pooling-only engine unauthenticated.
+    required_tasks: tuple[str, ...] | None = None
+
+    def __init__(self, settings: EngineSettings | None = None) -> None:
+        self.settings = settings or EngineSettings()
+        self.runtime = RuntimeRef()
+
+    def attach_router(self, app: FastAPI) -> None:
+        app.include_router(build_router(self.runtime))
+        token = (
+            self.settings.engine_token.get_secret_value() if self.settings.engine_token else None
+        )
+        # add_middleware prepends: the last added is the outermost.
+        app.add_middleware(SteeringRewriteMiddleware, runtime=self.runtime)
+        app.add_middleware(EngineTokenMiddleware, token=token)
+
+    async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
+        if not self.settings.engine_token or not self.settings.engine_token.get_secret_value():
+            raise RuntimeError(
+                "STEERGATE_ENGINE_TOKEN is required: the engine refuses to start without it"
+            )
+        if engine_client is None:
+            raise RuntimeError("steergate needs a running engine (not the render-only server)")
+        count = getattr(args, "api_server_count", None)
+        if count is not None and count > 1:
+            # The latch controller and registry are per process; a second API server
+            # would keep a second, disagreeing copy of both.
+            raise RuntimeError(
+                "steergate needs --api-server-count 1 (latches live in the API server)"
+            )
+        model_config = engine_client.vllm_config.model_config
+        shape = ModelShape(
+            hidden_size=int(model_config.get_hidden_size()),
+            num_layers=int(model_config.get_total_num_hidden_layers()),
+        )
+        _share_vllm_log_handlers()
+        runtime = SteeringRuntime.create(_served_name(args), shape, self.settings)
+        self.runtime.set(runtime)
+        state.steergate = runtime
+        log.info(
+            "steergate: hidden_size=%d num_layers=%d caps=%d latches/%d bytes epoch=%s",
+            shape.hidden_size,
+            shape.num_layers,
+            runtime.controller.max_count,
+            runtime.controller.max_bytes,
+            runtime.epoch,
+        )
+
+
+def _served_name(args: Namespace) -> str:
+    names = getattr(args, "served_model_name", None)
+    if names:
+        return str(names[0] if isinstance(names, (list, tuple)) else names)
+    return str(getattr(args, "model", ""))
+
+
+def _share_vllm_log_handlers() -> None:
+    """Route the pure modules' ``steergate.*`` loggers (e.g. the oversize-latch
+    warning) through vLLM's handlers, so they land in the engine log with vLLM's
+    format instead of being dropped by an unconfigured root logger."""
+    ours, theirs = logging.getLogger("steergate"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(logging.INFO)
+    ours.propagate = False

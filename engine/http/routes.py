@@ -1,0 +1,135 @@
+"""``/v1/steering/*``: engine info and status, latches, the named-vector registry.
+
+Handlers are thin: parse, call the pure modules, shape the answer. Every failure is
+an :class:`APIError` rendered in the OpenAI error shape (never a stack trace).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+
+from engine.http.runtime import RuntimeRef
+from shared.codecs import CodecError, decode_gguf_control_vector
+from shared.errors import APIError, InvalidField
+from shared.scoping import ENGINE_CONVERSATION_ID_RE, ENGINE_VECTOR_NAME_RE
+from shared.steering import check_vectors, parse_vector_body
+
+Handler = Callable[..., Awaitable[Response]]
+
+
+def _openai_errors(handler: Handler) -> Handler:
+    @functools.wraps(handler)
+    async def wrapper(*args: Any, **kwargs: Any) -> Response:
+        try:
+            return await handler(*args, **kwargs)
+        except APIError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    return wrapper
+
+
+def build_router(ref: RuntimeRef) -> APIRouter:
+    router = APIRouter(prefix="/v1/steering")
+
+    @router.get("/info")
+    @_openai_errors
+    async def info() -> Response:
+        return JSONResponse(ref.get().info())
+
+    @router.get("/status")
+    @_openai_errors
+    async def status() -> Response:
+        return JSONResponse(ref.get().controller.status())
+
+    @router.get("/latches")
+    @_openai_errors
+    async def list_latches(prefix: str = "") -> Response:
+        return JSONResponse(ref.get().controller.list(prefix))
+
+    @router.delete("/latches/{conversation_id}")
+    @_openai_errors
+    async def delete_latch(conversation_id: str) -> Response:
+        if not ENGINE_CONVERSATION_ID_RE.match(conversation_id):
+            raise InvalidField(
+                "conversation_id",
+                "'conversation_id' must be 1-256 characters of [A-Za-z0-9._:@-]",
+                code="invalid_conversation_id",
+            )
+        if not ref.get().controller.delete(conversation_id):
+            raise APIError(
+                404, "latch_not_found", "this conversation has no latch", param="conversation_id"
+            )
+        return Response(status_code=204)
+
+    @router.get("/vectors")
+    @_openai_errors
+    async def list_vectors(prefix: str = "") -> Response:
+        return JSONResponse([v.metadata() for v in ref.get().registry.list(prefix)])
+
+    @router.get("/vectors/{name}")
+    @_openai_errors
+    async def get_vector(name: str, include: str | None = None) -> Response:
+        vector = ref.get().registry.get(_vector_name(name))
+        if vector is None:
+            raise APIError(404, "vector_not_found", "no vector with this name", param="name")
+        return JSONResponse(vector.with_data() if include == "data" else vector.metadata())
+
+    @router.put("/vectors/{name}")
+    @_openai_errors
+    async def put_vector(name: str, request: Request) -> Response:
+        runtime = ref.get()
+        name = _vector_name(name)
+        raw = await request.body()
+        if _is_octet_stream(request):
+            hook, layers, description = "post_block", _gguf_layers(raw), None
+            check_vectors(layers, runtime.shape, "direction")
+        else:
+            hook, layers, description = parse_vector_body(_json_body(raw), runtime.shape)
+        vector, created = runtime.registry.put(name, hook, layers, description)
+        return JSONResponse(vector.metadata(), status_code=201 if created else 200)
+
+    @router.delete("/vectors/{name}")
+    @_openai_errors
+    async def delete_vector(name: str) -> Response:
+        if not ref.get().registry.delete(_vector_name(name)):
+            raise APIError(404, "vector_not_found", "no vector with this name", param="name")
+        return Response(status_code=204)
+
+    return router
+
+
+def _vector_name(name: str) -> str:
+    if not ENGINE_VECTOR_NAME_RE.match(name):
+        raise InvalidField(
+            "name", "'name' must be 1-64 characters of [A-Za-z0-9._-]", code="invalid_vector_name"
+        )
+    return name
+
+
+def _is_octet_stream(request: Request) -> bool:
+    return (
+        request.headers.get("content-type", "").split(";")[0].strip().lower()
+        == "application/octet-stream"
+    )
+
+
+def _json_body(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidField(
+            "body", "the request body is not valid JSON", code="invalid_json"
+        ) from exc
+
+
+def _gguf_layers(raw: bytes) -> dict[int, Any]:
+    try:
+        return decode_gguf_control_vector(raw)
+    except CodecError as exc:
+        raise InvalidField("body", f"the GGUF upload {exc}", code="invalid_gguf") from exc

@@ -1,0 +1,66 @@
+"""Per-process engine state the routes and middlewares share.
+
+Built once in the plugin's ``init_state`` (after vLLM knows the model) and reached
+through a :class:`RuntimeRef`, because the middlewares are constructed earlier, in
+``attach_router``, before any state exists.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+from engine.latch import LatchController
+from engine.registry import VectorRegistry
+from shared.errors import APIError
+from shared.settings import EngineSettings
+from shared.steering import HOOKS, ModelShape
+
+
+@dataclass
+class SteeringRuntime:
+    model: str
+    shape: ModelShape
+    controller: LatchController
+    registry: VectorRegistry = field(default_factory=VectorRegistry)
+
+    @property
+    def epoch(self) -> str:
+        return self.controller.epoch
+
+    @classmethod
+    def create(
+        cls, model: str, shape: ModelShape, settings: EngineSettings, epoch: str | None = None
+    ) -> SteeringRuntime:
+        controller = LatchController(
+            settings.max_latched_conversations,
+            settings.max_latched_bytes,
+            epoch or uuid.uuid4().hex,  # changes on every start: clients can tell latches were lost
+        )
+        return cls(model=model, shape=shape, controller=controller)
+
+    def info(self) -> dict[str, object]:
+        return {
+            "model": self.model,
+            "hidden_size": self.shape.hidden_size,
+            "num_layers": self.shape.num_layers,
+            "hooks": list(HOOKS),
+            "max_latched_conversations": self.controller.max_count,
+            "max_latched_bytes": self.controller.max_bytes,
+            "epoch": self.epoch,
+        }
+
+
+class RuntimeRef:
+    """A late-bound handle: set once by ``init_state``; until then requests get 503."""
+
+    def __init__(self) -> None:
+        self._runtime: SteeringRuntime | None = None
+
+    def set(self, runtime: SteeringRuntime) -> None:
+        self._runtime = runtime
+
+    def get(self) -> SteeringRuntime:
+        if self._runtime is None:
+            raise APIError(503, "engine_starting", "the steering engine is still starting")
+        return self._runtime

@@ -1,0 +1,233 @@
+"""The latch controller: which conversations keep steering between turns.
+
+It lives in the API-server process, one per engine (``--api-server-count`` must
+stay 1: a second API server would hold a second, disagreeing map). The workers
+never see a latch; they see the resolved payload of each request, which vLLM
+broadcasts byte-identically to every tensor-parallel rank. So "identical on
+every rank" holds by construction, and the caps bound the one place latches live.
+
+The controller is pure and deterministic: recency is the order of an
+``OrderedDict`` (a logical clock), so which latch is evicted is a function of
+the operation sequence alone. Wall time is recorded only to display ``last_used``.
+No vLLM, torch or I/O here, so it is unit- and property-testable on its own.
+"""
+
+from __future__ import annotations
+
+import builtins
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+log = logging.getLogger("steergate.latch")
+
+Site = tuple[str, int]  # (hook, layer)
+
+# Every value of the ``x-steering-latch`` header the engine produces
+# (``evicted_quota`` is the gateway's).
+LatchState = Literal["none", "latched", "replaced", "bridged", "refused_oversize", "dropped_stale"]
+
+
+@dataclass(frozen=True)
+class RefTerm:
+    """A named vector kept by reference: applied only while ``name`` still has ``digest``."""
+
+    name: str
+    digest: str
+    scale: float
+
+
+@dataclass(frozen=True)
+class Latch:
+    """What a conversation keeps. ``value_sites`` are float32 vectors already scaled
+    and summed per (hook, layer); ``refs`` cost no bytes (the registry holds the data)."""
+
+    phase: str
+    value_sites: Mapping[Site, np.ndarray] = field(default_factory=dict)
+    refs: tuple[RefTerm, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        # float32 vectors of hidden_size each: 4 x hidden x number of sites.
+        return int(sum(int(v.nbytes) for v in self.value_sites.values()))
+
+    @property
+    def kind(self) -> Literal["value", "ref"]:
+        return "value" if self.value_sites else "ref"
+
+
+@dataclass
+class _Entry:
+    latch: Latch
+    nbytes: int
+    last_used: float  # wall time, display only
+
+
+class RateLimitedWarning:
+    """Logs at most once per ``interval`` seconds and reports how many were suppressed,
+    so a client hammering oversize latches cannot flood the log."""
+
+    def __init__(self, interval: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self._interval = interval
+        self._clock = clock
+        self._next_at = float("-inf")
+        self.suppressed = 0
+
+    def warn(self, message: str, *args: Any) -> bool:
+        now = self._clock()
+        if now < self._next_at:
+            self.suppressed += 1
+            return False
+        if self.suppressed:
+            message += " (%d similar warnings suppressed)"
+            args = (*args, self.suppressed)
+        log.warning(message, *args)
+        self.suppressed = 0
+        self._next_at = now + self._interval
+        return True
+
+
+DigestLookup = Callable[[str], "str | None"]
+"""Current digest of a named vector, or None when it no longer exists."""
+
+
+class LatchController:
+    """LRU map conversation id -> :class:`Latch` under a count cap and a byte cap.
+
+    Both caps hold after every public method returns. Only :meth:`store` and
+    :meth:`use` touch recency; :meth:`delete` and :meth:`list` do not.
+    """
+
+    def __init__(
+        self,
+        max_count: int,
+        max_bytes: int,
+        epoch: str,
+        *,
+        wall_clock: Callable[[], float] = time.time,
+        warning: RateLimitedWarning | None = None,
+    ) -> None:
+        self.max_count = max_count
+        self.max_bytes = max_bytes
+        self.epoch = epoch
+        self._wall = wall_clock
+        self._warning = warning or RateLimitedWarning()
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # oldest first
+        self._bytes = 0
+        self.evictions = 0
+        self.refusals = 0
+        self.bridges = 0
+        self.latches_stored = 0
+
+    # -- operations ------------------------------------------------------------
+
+    def store(self, conversation_id: str, latch: Latch) -> LatchState:
+        """Keep ``latch`` for the conversation, replacing any earlier one.
+
+        A latch that can never fit (bytes over the byte cap, or a count cap of 0) is
+        refused, and the conversation's earlier latch is removed too: the client asked
+        to replace it, and keeping the old steering would silently apply what the
+        client just replaced.
+        """
+        nbytes = latch.nbytes
+        existed = self._remove(conversation_id)
+        if nbytes > self.max_bytes or self.max_count < 1:
+            self.refusals += 1
+            self._warning.warn(
+                "latch refused: %d bytes exceeds the engine cap of %d bytes (count cap %d)",
+                nbytes,
+                self.max_bytes,
+                self.max_count,
+            )
+            return "refused_oversize"
+        self._entries[conversation_id] = _Entry(latch, nbytes, self._wall())
+        self._bytes += nbytes
+        self.latches_stored += 1
+        self._evict_to_caps(keep=conversation_id)
+        return "replaced" if existed else "latched"
+
+    def use(self, conversation_id: str, digest_of: DigestLookup) -> tuple[LatchState, Latch | None]:
+        """The latch that steers a turn without ``steering`` (``bridged``), refreshing its
+        recency; ``dropped_stale`` (and removed) if a by-reference term's vector changed
+        or was deleted; ``none`` if the conversation has no latch."""
+        entry = self._entries.get(conversation_id)
+        if entry is None:
+            return "none", None
+        if any(digest_of(ref.name) != ref.digest for ref in entry.latch.refs):
+            self._remove(conversation_id)
+            return "dropped_stale", None
+        self._entries.move_to_end(conversation_id)
+        entry.last_used = self._wall()
+        self.bridges += 1
+        return "bridged", entry.latch
+
+    def delete(self, conversation_id: str) -> bool:
+        return self._remove(conversation_id)
+
+    # -- views -----------------------------------------------------------------
+
+    def get(self, conversation_id: str) -> Latch | None:
+        entry = self._entries.get(conversation_id)
+        return entry.latch if entry else None
+
+    def list(self, prefix: str = "") -> builtins.list[dict[str, Any]]:
+        """Latches whose id starts with ``prefix``, least recently used first."""
+        return [
+            {
+                "conversation_id": cid,
+                "bytes": e.nbytes,
+                "kind": e.latch.kind,
+                "last_used": e.last_used,
+            }
+            for cid, e in self._entries.items()
+            if cid.startswith(prefix)
+        ]
+
+    def order(self) -> builtins.list[str]:
+        """Conversation ids, least recently used first (the eviction order)."""
+        return list(self._entries)
+
+    @property
+    def count(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "latched_conversations": len(self._entries),
+            "latched_bytes": self._bytes,
+            "max_latched_conversations": self.max_count,
+            "max_latched_bytes": self.max_bytes,
+            "evictions": self.evictions,
+            "refusals": self.refusals,
+            "bridges": self.bridges,
+            "latches_stored": self.latches_stored,
+            "epoch": self.epoch,
+        }
+
+    # -- internals -------------------------------------------------------------
+
+    def _remove(self, conversation_id: str) -> bool:
+        entry = self._entries.pop(conversation_id, None)
+        if entry is None:
+            return False
+        self._bytes -= entry.nbytes
+        return True
+
+    def _evict_to_caps(self, keep: str) -> None:
+        # ``keep`` (the latch just stored) fits alone, so evicting the others
+        # oldest-first always terminates with both caps holding.
+        while len(self._entries) > self.max_count or self._bytes > self.max_bytes:
+            victim = next(iter(self._entries))
+            if victim == keep:  # pragma: no cover - excluded by the refusal check
+                break
+            self._remove(victim)
+            self.evictions += 1

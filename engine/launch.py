@@ -1,0 +1,89 @@
+"""``steergate engine``: stock vLLM's OpenAI server with this project's plugins.
+
+We only build an argv and exec it, so vLLM owns the process (signals, exit code,
+logging) exactly as if it had been started by hand. The engine token is enforced
+by the endpoint plugin's middleware, not by ``--api-key`` (which would also guard
+routes with a second, differently-shaped error).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8100
+# GiB of KV cache on CPU; vLLM's own default (4 GiB+) is far too much for a shared
+# test machine and the tiny model. Operators set it explicitly for real models.
+DEFAULT_CPU_KVCACHE_GIB = "1"
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+USAGE = "usage: steergate engine --model PATH_OR_HF_ID [--port 8100] [vLLM args...]"
+
+
+def _has_flag(args: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def _flag_value(args: list[str], flag: str) -> str | None:
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def build_command(args: list[str], python: str = sys.executable) -> list[str]:
+    """argv for vLLM's server: ours first, then the user's (which win on repeats
+    only where vLLM lets the last one win, so we never add a flag the user gave)."""
+    model = _flag_value(args, "--model")
+    if model is None:
+        raise ValueError("--model is required")
+    cmd = [python, "-m", SERVER_MODULE, *args]
+    if not _has_flag(args, "--host"):
+        cmd += ["--host", DEFAULT_HOST]
+    if not _has_flag(args, "--port"):
+        cmd += ["--port", str(DEFAULT_PORT)]
+    if not _has_flag(args, "--served-model-name"):
+        cmd += ["--served-model-name", model]
+    return cmd
+
+
+def build_env(base: Mapping[str, str]) -> dict[str, str]:
+    env = dict(base)
+    # Both of our entry points (general + endpoint plugin) are named "steergate";
+    # vLLM loads endpoint plugins only when they are named here.
+    env["VLLM_PLUGINS"] = "steergate"
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)
+    # Steering hooks the V1 model runner; on GPUs with Triton vLLM 0.32 would pick
+    # the V2 runner, which the plugin refuses (see docs/steering-op.md).
+    env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    return env
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in {"-h", "--help"}:
+        print(USAGE)
+        return 0 if args else 2
+    if _has_flag(args, "--api-key"):
+        print("steergate engine: do not pass --api-key; the engine token is "
+              "STEERGATE_ENGINE_TOKEN", file=sys.stderr)
+        return 2
+    if not os.environ.get("STEERGATE_ENGINE_TOKEN"):
+        print("steergate engine: STEERGATE_ENGINE_TOKEN is not set; refusing to start an "
+              "engine that anyone on the network could call", file=sys.stderr)
+        return 2
+    try:
+        cmd = build_command(args)
+    except ValueError as exc:
+        print(f"steergate engine: {exc}\n{USAGE}", file=sys.stderr)
+        return 2
+    os.execvpe(cmd[0], cmd, build_env(os.environ))
+    return 0  # pragma: no cover - exec does not return
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

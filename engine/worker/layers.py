@@ -1,0 +1,79 @@
+"""Wrap a loaded vLLM decoder stack so each layer calls the steering op.
+
+vLLM's Llama-family layers pass ``(hidden_states, residual)`` between layers and
+fuse "residual add + RMSNorm" at the start of the next norm, so the residual
+stream at any point is ``hidden_states + residual`` (or just ``hidden_states`` in
+front of layer 0, where ``residual is None``). Adding a vector to
+``hidden_states`` therefore adds it to the stream:
+
+* ``pre_attn``  of layer l: added to the ``hidden_states`` entering layer l;
+* ``post_attn`` of layer l: added to attention's output, before the fused
+  add-norm, i.e. to the stream after attention's residual add;
+* ``post_block`` of layer l: added to the ``hidden_states`` the layer returns.
+
+We replace ``forward`` on the *instances* (not the classes, not the module tree):
+parameter names, weight loading and vLLM's per-layer attention registry are
+untouched, and Dynamo traces straight through the wrappers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.worker import op
+from engine.worker.tables import SteeringTables
+
+_WRAPPED = "_steergate_wrapped"
+
+
+def find_decoder_layers(model: nn.Module) -> tuple[nn.ModuleList, list[int]]:
+    """The model's decoder ``ModuleList`` and the layer indices this rank runs
+    (pipeline parallelism leaves placeholders without ``self_attn`` elsewhere)."""
+    for name, module in model.named_modules():
+        if name.endswith("layers") and isinstance(module, nn.ModuleList) and len(module):
+            present = [i for i, layer in enumerate(module) if hasattr(layer, "self_attn")]
+            if present:
+                return module, present
+    raise RuntimeError("steergate: could not find the decoder layers (Llama-style model expected)")
+
+
+def wrap_layers(layers: nn.ModuleList, present: list[int], tables: SteeringTables) -> None:
+    index = tables.index
+    for i in present:
+        layer: Any = layers[i]
+        if getattr(layer, _WRAPPED, False):
+            continue
+        layer.forward = _wrap_layer(
+            layer.forward, tables.tables[("pre_attn", i)], tables.tables[("post_block", i)], index
+        )
+        layer.self_attn.forward = _wrap_attn(
+            layer.self_attn.forward, tables.tables[("post_attn", i)], index
+        )
+        setattr(layer, _WRAPPED, True)
+
+
+def _wrap_layer(
+    forward: Callable[..., Any], pre: torch.Tensor, post: torch.Tensor, index: torch.Tensor
+) -> Callable[..., Any]:
+    def steered_layer_forward(positions: torch.Tensor, hidden_states: torch.Tensor, *args: Any,
+                              **kwargs: Any) -> Any:
+        op.apply(hidden_states, pre, index)
+        out = forward(positions, hidden_states, *args, **kwargs)
+        op.apply(out[0], post, index)
+        return out
+
+    return steered_layer_forward
+
+
+def _wrap_attn(
+    forward: Callable[..., Any], table: torch.Tensor, index: torch.Tensor
+) -> Callable[..., Any]:
+    def steered_attn_forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+        out = forward(*args, **kwargs)
+        return op.apply(out, table, index)
+
+    return steered_attn_forward

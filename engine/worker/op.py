@@ -1,0 +1,50 @@
+"""The ``steergate::steer`` custom op: ``hidden += table[index[:n]]`` in place.
+
+Why a custom op: torch.compile (Dynamo + Inductor) treats it as opaque, so the
+compiled graph calls it on every forward with the *current* contents of the
+persistent table and index tensors, instead of constant-folding or specialising
+on them. ``mutates_args=("hidden",)`` tells the functionalisation pass the add is
+in place, so the compiled graph keeps the mutation and its ordering.
+
+On CUDA the body is recorded into CUDA graphs, so it must not branch on Python
+state: it always runs (row 0 of every table is zero, so unsteered tokens add 0).
+On CPU nothing is recorded, so the body may skip a table no live slot writes; that
+check is a set lookup, far cheaper than the gather it avoids.
+"""
+
+from __future__ import annotations
+
+import torch
+
+OP_NAME = "steergate::steer"
+
+# data_ptr() of every table that currently holds at least one non-zero row.
+# Written by SteeringTables in the same process; read by the CPU fast path.
+_LIVE_TABLES: set[int] = set()
+
+
+def mark_live(table: torch.Tensor, live: bool) -> None:
+    if live:
+        _LIVE_TABLES.add(table.data_ptr())
+    else:
+        _LIVE_TABLES.discard(table.data_ptr())
+
+
+@torch.library.custom_op(OP_NAME, mutates_args=("hidden",))
+def steer(hidden: torch.Tensor, table: torch.Tensor, index: torch.Tensor) -> None:
+    if hidden.device.type == "cpu" and table.data_ptr() not in _LIVE_TABLES:
+        return
+    n = hidden.shape[0]
+    hidden.add_(table.index_select(0, index[:n]).to(hidden.dtype))
+
+
+@steer.register_fake
+def _steer_fake(hidden: torch.Tensor, table: torch.Tensor, index: torch.Tensor) -> None:
+    return None
+
+
+def apply(hidden: torch.Tensor, table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Call the op through the dispatcher (what compiled graphs see) and return
+    ``hidden`` so callers can chain it."""
+    torch.ops.steergate.steer(hidden, table, index)
+    return hidden

@@ -1,0 +1,173 @@
+"""The thin vLLM adapter: patch the V1 model runner so it steers.
+
+Three hooks on ``GPUModelRunner`` (``CPUModelRunner`` subclasses it and overrides
+only ``load_model``, so that one is patched on both classes):
+
+* ``load_model``: allocate the tables and wrap the decoder layers;
+* ``_prepare_inputs``: after vLLM has laid out the step's tokens, register newly
+  seen steered requests and fill the per-token slot index;
+* ``_on_request_state_removed``: vLLM's hook for finished requests; release slots.
+
+Everything else (tables, slots, phases) lives in :mod:`engine.worker.tables`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from engine.payload import XARGS_KEY, Payload, decode_payload
+from engine.worker.layers import find_decoder_layers, wrap_layers
+from engine.worker.tables import SteeringTables, StepRequest
+
+logger = logging.getLogger("vllm.steergate.worker")  # inherits vLLM's handlers
+
+_PATCHED = "_steergate_patched"
+
+
+def install() -> None:
+    """Patch the runner classes (idempotent)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    classes: list[type] = [GPUModelRunner]
+    try:
+        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+        classes.append(CPUModelRunner)
+    except ImportError:  # a GPU build without the CPU runner
+        pass
+    for cls in classes:
+        if cls.__dict__.get(_PATCHED):
+            continue
+        if "load_model" in cls.__dict__:
+            setattr(cls, "load_model", _after_load(cls.__dict__["load_model"]))  # noqa: B010
+        if cls is GPUModelRunner:
+            setattr(cls, "_prepare_inputs", _after_prepare(GPUModelRunner._prepare_inputs))  # noqa: B010
+            setattr(cls, "_on_request_state_removed",  # noqa: B010
+                    _on_removed(GPUModelRunner._on_request_state_removed))
+        setattr(cls, _PATCHED, True)
+    _refuse_v2_runner()
+
+
+def _refuse_v2_runner() -> None:
+    """The V2 GPU runner (``v1/worker/gpu/``) has a different batch layout that we
+    do not hook; fail at load instead of serving requests without steering."""
+    try:
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2
+    except Exception:  # not importable here (e.g. CPU build without Triton)
+        return
+    if V2.__dict__.get(_PATCHED):
+        return
+    original = V2.load_model
+
+    @functools.wraps(original)
+    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            "steergate supports vLLM's V1 model runner only; start the engine with "
+            "VLLM_USE_V2_MODEL_RUNNER=0 (steergate engine sets it by default)"
+        )
+
+    setattr(V2, "load_model", load_model)  # noqa: B010
+    setattr(V2, _PATCHED, True)
+
+
+def _after_load(load_model: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(load_model)
+    def load_model_and_wrap(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = load_model(self, *args, **kwargs)
+        _attach(self)
+        return result
+
+    return load_model_and_wrap
+
+
+def _attach(runner: Any) -> None:
+    if getattr(runner, "_steergate", None) is not None:
+        return  # CPUModelRunner.load_model and a reload must not wrap twice
+    model = runner.get_model()
+    layers, present = find_decoder_layers(model)
+    compilation = runner.vllm_config.compilation_config
+    # CUDA graphs pad a step up to a capture size; padded tokens must find row 0.
+    capture = int(getattr(compilation, "max_cudagraph_capture_size", 0) or 0)
+    max_tokens = max(runner.max_num_tokens, capture)
+    tables = SteeringTables(
+        hidden_size=runner.model_config.get_hidden_size(),
+        layers=present,
+        num_slots=runner.max_num_reqs + 1,
+        max_tokens=max_tokens,
+        dtype=runner.model_config.dtype,
+        device=runner.device,
+    )
+    wrap_layers(layers, present, tables)
+    runner._steergate = tables
+    runner._steergate_seen = set()
+    logger.info(
+        "steergate: steering %d layers x 3 hooks, %d slots, %d-token index",
+        len(present), tables.num_slots, max_tokens,
+    )
+
+
+def _after_prepare(prepare: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(prepare)
+    def prepare_and_fill(self: Any, scheduler_output: Any, num_scheduled_tokens: Any) -> Any:
+        result = prepare(self, scheduler_output, num_scheduled_tokens)
+        tables: SteeringTables | None = getattr(self, "_steergate", None)
+        if tables is not None:
+            _fill(self, tables, scheduler_output.total_num_scheduled_tokens)
+        return result
+
+    return prepare_and_fill
+
+
+def _fill(runner: Any, tables: SteeringTables, num_tokens: int) -> None:
+    batch = runner.input_batch
+    num_reqs = batch.num_reqs
+    req_ids = batch.req_ids[:num_reqs]
+    seen: set[str] = runner._steergate_seen
+    for req_id in req_ids:
+        if req_id not in seen:
+            seen.add(req_id)
+            payload = _payload_of(runner.requests.get(req_id), req_id)
+            if payload is not None:
+                tables.add_request(req_id, payload)
+    if tables.num_steered_requests == 0 and not tables.index_dirty:
+        return
+    qsl = runner.query_start_loc.np
+    computed = batch.num_computed_tokens_cpu
+    prompt = batch.num_prompt_tokens
+    step = [
+        StepRequest(req_id, int(qsl[i]), int(qsl[i + 1]), int(computed[i]), int(prompt[i]))
+        for i, req_id in enumerate(req_ids)
+        if tables.is_steered(req_id)
+    ]
+    tables.fill(step, num_tokens)
+
+
+def _payload_of(state: Any, req_id: str) -> Payload | None:
+    params = getattr(state, "sampling_params", None)
+    extra = getattr(params, "extra_args", None) or {}
+    text = extra.get(XARGS_KEY)
+    if not text:
+        return None
+    try:
+        return decode_payload(text)
+    except (ValueError, KeyError, TypeError) as exc:
+        # The API server builds payloads; a bad one is our bug, not the caller's.
+        # Crashing the engine would take every other request down with it.
+        logger.error("steergate: request %s has an unreadable steering payload (%s); "
+                     "serving it unsteered", req_id, exc)
+        return None
+
+
+def _on_removed(hook: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(hook)
+    def release(self: Any, req_id: str, req_state: Any) -> None:
+        hook(self, req_id, req_state)
+        tables: SteeringTables | None = getattr(self, "_steergate", None)
+        if tables is not None:
+            self._steergate_seen.discard(req_id)
+            tables.remove_request(req_id)
+
+    return release

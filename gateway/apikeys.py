@@ -1,0 +1,47 @@
+"""API keys: generation, the only stored form (a peppered HMAC), comparison.
+
+A key is ``sk-sg-`` + 43 urlsafe base64 characters (256 random bits). Redis only
+ever holds HMAC-SHA256(pepper, key): a Redis dump without the pepper reveals no
+usable key, and the lookup is by hash, so no raw key is ever compared or logged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+
+KEY_PREFIX = "sk-sg-"
+#: Random part: 32 bytes -> 43 urlsafe base64 characters (no padding).
+_KEY_RE = re.compile(r"^sk-sg-[A-Za-z0-9_-]{43}$")
+#: How much of a key is shown back (lists, dashboard): "sk-sg-" + 6 random chars,
+#: 36 bits — enough to tell keys apart, far too little to guess the rest.
+DISPLAY_CHARS = 12
+
+
+def generate_key() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def generate_key_id() -> str:
+    """Public handle of a key (safe to log): what revoke and lists use."""
+    return "key_" + secrets.token_hex(8)
+
+
+def display_prefix(key: str) -> str:
+    return key[:DISPLAY_CHARS]
+
+
+def looks_like_key(key: str) -> bool:
+    """Cheap shape check, so garbage never costs a Redis round trip."""
+    return bool(_KEY_RE.match(key))
+
+
+def hash_key(pepper: str, key: str) -> str:
+    return hmac.new(pepper.encode(), key.encode(), hashlib.sha256).hexdigest()
+
+
+def same_secret(a: str, b: str) -> bool:
+    """Constant-time equality (admin key, stored hashes)."""
+    return hmac.compare_digest(a.encode(), b.encode())

@@ -1,0 +1,200 @@
+"""Assembly only: settings -> services (in the lifespan) -> middleware and routers.
+
+The lifespan owns every pool (Redis, httpx) and background task (auth invalidation,
+engine polling, settlement); nothing lives at module level. Routers owned by the
+admin/usage/dashboard/metrics work are included when their modules exist.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway import keys
+from gateway.accounting import Settler
+from gateway.deps import Services
+from gateway.limits import Limiter
+from gateway.middleware import BodyLimitMiddleware
+from gateway.reconcile import Reconciler
+from gateway.routes import health, inference, latches, vectors
+from gateway.scripts import Scripts
+from gateway.store import Redis, connect, is_embedded
+from gateway.tenants import TenantStore
+from gateway.upstream import Engine, EnginePool
+from gateway.usage_reader import UsageReader
+from shared.errors import APIError, error_body
+from shared.scoping import scope
+from shared.settings import GatewaySettings
+
+log = logging.getLogger("steergate.gateway")
+
+#: Routers other work streams own; included when the module exists.
+OPTIONAL_ROUTERS = (
+    "gateway.routes.admin",
+    "gateway.routes.usage",
+    "gateway.routes.dashboard",
+    "gateway.metrics",
+)
+
+
+def build_services(
+    settings: GatewaySettings, redis: Redis | None = None, pool: EnginePool | None = None
+) -> Services:
+    redis = redis if redis is not None else connect(settings.redis_url, settings.redis_timeout_s)
+    scripts = Scripts.load(redis)
+    pool = pool or EnginePool(
+        settings.engine_url_list,
+        settings.engine_token.get_secret_value() if settings.engine_token else "",
+        connect_timeout_s=settings.engine_connect_timeout_s,
+        read_timeout_s=settings.engine_read_timeout_s,
+    )
+
+    async def delete_latch(tenant_id: str, conv: str) -> None:
+        await pool.broadcast("DELETE", f"/v1/steering/latches/{scope(tenant_id, conv)}")
+
+    async def on_tenant_deleted(tenant_id: str, latch_ids: list[str], names: list[str]) -> None:
+        for conv in latch_ids:
+            await delete_latch(tenant_id, conv)
+        for name in names:
+            await pool.broadcast("DELETE", f"/v1/steering/vectors/{scope(tenant_id, name)}")
+
+    tenants = TenantStore(
+        redis,
+        settings.key_pepper.get_secret_value() if settings.key_pepper else "",
+        engine_caps=pool.caps,
+        on_deleted=on_tenant_deleted,
+    )
+    reconciler = Reconciler(redis, scripts, pool)
+
+    async def on_epoch_change(engine: Engine) -> None:
+        await reconciler.all()
+
+    pool.on_epoch_change = on_epoch_change
+    return Services(
+        settings=settings,
+        redis=redis,
+        scripts=scripts,
+        tenants=tenants,
+        pool=pool,
+        limiter=Limiter(
+            scripts,
+            lease_ttl_s=settings.engine_read_timeout_s + 60,
+            fail_open=settings.rate_limit_fail_open,
+        ),
+        settler=Settler(redis, scripts, delete_latch),
+        reconciler=reconciler,
+        usage=UsageReader(redis),
+    )
+
+
+def create_app(settings: GatewaySettings | None = None, *, redis: Redis | None = None) -> FastAPI:
+    settings = settings or GatewaySettings()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        svc = build_services(settings, redis)
+        app.state.services = svc
+        # Accessors for the admin / usage / dashboard / metrics routers.
+        app.state.settings = settings
+        app.state.tenants = svc.tenants
+        app.state.engines = svc.pool
+        app.state.usage = svc.usage
+        app.state.embedded_store = is_embedded(svc.redis)
+        stop = asyncio.Event()
+        tasks = [
+            asyncio.create_task(svc.tenants.listen_for_invalidations(stop)),
+            asyncio.create_task(svc.settler.run(stop)),
+            asyncio.create_task(_start_engines(svc, stop)),
+        ]
+        try:
+            yield
+        finally:
+            stop.set()
+            await asyncio.wait(tasks, timeout=2.0)
+            for t in tasks:
+                t.cancel()
+            await svc.pool.aclose()
+            with contextlib.suppress(Exception):
+                await svc.redis.aclose()
+
+    app = FastAPI(title="steergate gateway", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    _install_error_handlers(app)
+    for router_module in (inference, vectors, latches, health):
+        app.include_router(router_module.router)
+    for name in OPTIONAL_ROUTERS:
+        _include_optional(app, name)
+    return app
+
+
+async def _start_engines(svc: Services, stop: asyncio.Event) -> None:
+    """First engine poll, a startup reconciliation (engines may have restarted while
+    this gateway was down), then periodic polling."""
+    with contextlib.suppress(Exception):
+        await svc.pool.refresh()
+        if svc.pool.shape() is not None:
+            await svc.reconciler.all()
+    await svc.pool.poll(stop, svc.settings.reconcile_interval_s)
+
+
+def _include_optional(app: FastAPI, module_name: str) -> None:
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:
+            raise  # the module exists but is broken: fail loudly
+        return
+    if hasattr(module, "router"):
+        app.include_router(module.router)
+    elif hasattr(module, "install"):
+        module.install(app)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def api_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, APIError)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    async def http_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        status = exc.status_code
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        return JSONResponse(error_body(str(exc.detail), kind, None, code), status_code=status)
+
+    async def validation_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        first: dict[str, Any] = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        return JSONResponse(
+            error_body(
+                f"Invalid request: {first.get('msg', 'bad input')}",
+                "invalid_request_error",
+                param,
+                "invalid_request",
+            ),
+            status_code=400,
+        )
+
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.error("unhandled error on %s: %s", request.url.path, type(exc).__name__)
+        return JSONResponse(
+            error_body("Internal error.", "server_error", None, "internal_error"), status_code=500
+        )
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(Exception, unexpected)
+
+
+__all__ = ["create_app", "build_services", "keys"]

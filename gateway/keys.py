@@ -1,0 +1,126 @@
+"""Every Redis key and channel name the gateway uses, built in one place.
+
+Per-tenant keys carry the tenant id inside a ``{t:<id>}`` hash tag, so all of one
+tenant's keys live in one Redis Cluster slot and a Lua script may touch any of
+them atomically. Global keys (the tenant index, the API-key lookup) are only ever
+used one at a time, never together with tenant keys in one script.
+"""
+
+from __future__ import annotations
+
+PREFIX = "sg"
+
+#: Pub/sub channel for auth-cache invalidation ("key:<key_id>", "tenant:<id>").
+EVENTS_CHANNEL = f"{PREFIX}:events"
+#: Set of every tenant id.
+TENANT_INDEX = f"{PREFIX}:tenants"
+
+#: How long a per-minute usage hash lives: the dashboard shows >= 60 minutes.
+USAGE_MINUTE_TTL_S = 2 * 3600 + 120
+
+
+def tag(tenant_id: str) -> str:
+    """The Cluster hash tag that pins a tenant's keys to one slot."""
+    return f"{{t:{tenant_id}}}"
+
+
+def _t(tenant_id: str, suffix: str) -> str:
+    return f"{PREFIX}:{tag(tenant_id)}:{suffix}"
+
+
+def tenant_record(tenant_id: str) -> str:
+    """String: the tenant's JSON record (incl. the secret cache salt)."""
+    return _t(tenant_id, "tenant")
+
+
+def tenant_keys(tenant_id: str) -> str:
+    """Hash key_id -> JSON {prefix, created_at, hash}: the tenant's API keys (masked)."""
+    return _t(tenant_id, "keys")
+
+
+def key_lookup(key_hash: str) -> str:
+    """String: HMAC(pepper, key) hex -> "<tenant_id> <key_id>". Global: the raw key
+    does not say which tenant it belongs to."""
+    return f"{PREFIX}:key:{key_hash}"
+
+
+def key_owner(key_id: str) -> str:
+    """String: key_id -> "<tenant_id> <key_hash>", so revoke needs only the id."""
+    return f"{PREFIX}:keyid:{key_id}"
+
+
+def gcra_requests(tenant_id: str) -> str:
+    """String: theoretical arrival time (ms) of the requests/min GCRA."""
+    return _t(tenant_id, "gcra:req")
+
+
+def gcra_tokens(tenant_id: str) -> str:
+    """String: theoretical arrival time (ms) of the tokens/min GCRA."""
+    return _t(tenant_id, "gcra:tok")
+
+
+def leases(tenant_id: str) -> str:
+    """ZSET lease_id -> expiry ms: in-flight requests (crash-safe concurrency)."""
+    return _t(tenant_id, "leases")
+
+
+def usage_minute(tenant_id: str, minute: int) -> str:
+    """Hash for one minute (unix seconds // 60): requests, tokens, 2xx/4xx/429/5xx."""
+    return _t(tenant_id, f"usage:{minute}")
+
+
+def usage_total(tenant_id: str) -> str:
+    """Hash: all-time counters, same fields as a minute."""
+    return _t(tenant_id, "usage:total")
+
+
+def latches(tenant_id: str) -> str:
+    """ZSET client conversation_id -> last use (ms): the tenant's latches by recency."""
+    return _t(tenant_id, "latches")
+
+
+def latch_info(tenant_id: str) -> str:
+    """Hash client conversation_id -> "<bytes>:<value|ref>"."""
+    return _t(tenant_id, "latch:info")
+
+
+def latch_bytes(tenant_id: str) -> str:
+    """String: Σ bytes of the tenant's latches (kept by the scripts)."""
+    return _t(tenant_id, "latch:bytes")
+
+
+def vectors(tenant_id: str) -> str:
+    """Hash client vector name -> JSON metadata {digest, bytes, layers, hook, ...}."""
+    return _t(tenant_id, "vectors")
+
+
+def admit_keys(tenant_id: str, minute: int) -> list[str]:
+    """KEYS of admit_request.lua and settle_request.lua, in their order."""
+    return [
+        gcra_requests(tenant_id),
+        gcra_tokens(tenant_id),
+        leases(tenant_id),
+        usage_minute(tenant_id, minute),
+        usage_total(tenant_id),
+        latches(tenant_id),
+        latch_info(tenant_id),
+        latch_bytes(tenant_id),
+    ]
+
+
+def all_tenant_keys(tenant_id: str, now_minute: int) -> list[str]:
+    """Every key a tenant can own, for delete (usage minutes: the TTL window)."""
+    window = USAGE_MINUTE_TTL_S // 60 + 2
+    fixed = [
+        tenant_record(tenant_id),
+        tenant_keys(tenant_id),
+        gcra_requests(tenant_id),
+        gcra_tokens(tenant_id),
+        leases(tenant_id),
+        usage_total(tenant_id),
+        latches(tenant_id),
+        latch_info(tenant_id),
+        latch_bytes(tenant_id),
+        vectors(tenant_id),
+    ]
+    return fixed + [usage_minute(tenant_id, m) for m in range(now_minute - window, now_minute + 2)]

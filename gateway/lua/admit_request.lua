@@ -1,0 +1,109 @@
+-- admit_request.lua: the whole admission decision for one inference request, atomically,
+-- in one round trip: concurrency lease, requests/min and tokens/min (GCRA), latch quota.
+-- Nothing is written unless the request is admitted (except the 429 usage counter).
+--
+-- KEYS[1] gcra:req (TAT ms)   KEYS[2] gcra:tok (TAT ms)   KEYS[3] leases (ZSET id -> expiry ms)
+-- KEYS[4] usage minute hash   KEYS[5] usage total hash
+-- KEYS[6] latches (ZSET conv -> last use ms)  KEYS[7] latch info (HASH conv -> "bytes:kind")
+-- KEYS[8] latch bytes (STRING Σ bytes)
+-- ARGV[1] now ms   ARGV[2] rpm   ARGV[3] tpm   ARGV[4] token cost (<= tpm)
+-- ARGV[5] max_concurrency   ARGV[6] lease id   ARGV[7] lease expiry ms
+-- ARGV[8] conversation id ("" = none)   ARGV[9] "1" = store a latch
+-- ARGV[10] latch bytes   ARGV[11] latch kind ("value"|"ref")
+-- ARGV[12] latch_count quota   ARGV[13] latch_bytes quota   ARGV[14] policy ("evict_oldest"|"reject")
+-- ARGV[15] usage minute TTL s
+-- Returns {status, retry_ms, req_remaining, req_reset_ms, tok_remaining, tok_reset_ms,
+--          prev_latch_info ("" if none), evicted conv ids...}
+-- status: 0 admitted, 1 requests/min, 2 tokens/min, 3 concurrency, 4 latch quota.
+
+local PERIOD = 60000
+local now = tonumber(ARGV[1])
+local rpm, tpm, cost = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local conv, want_latch = ARGV[8], ARGV[9] == "1"
+
+-- GCRA: state is the theoretical arrival time (TAT); admit while TAT stays within one period.
+local function gcra(key, limit, n)
+  local interval = PERIOD / limit
+  local tat = tonumber(redis.call("GET", key) or now)
+  if tat < now then tat = now end
+  local new_tat = tat + n * interval
+  local remaining_after = math.floor((now + PERIOD - new_tat) / interval)
+  if new_tat - PERIOD > now then
+    local left = math.floor((now + PERIOD - tat) / interval)
+    return false, math.ceil(new_tat - PERIOD - now), left, math.ceil(tat - now), tat
+  end
+  return true, 0, remaining_after, math.ceil(new_tat - now), new_tat
+end
+
+local function reject(status, retry, rr, rreset, tr, treset)
+  redis.call("HINCRBY", KEYS[4], "429", 1)
+  redis.call("EXPIRE", KEYS[4], tonumber(ARGV[15]))
+  redis.call("HINCRBY", KEYS[5], "429", 1)
+  return {status, retry, rr, rreset, tr, treset, ""}
+end
+
+-- 1. Concurrency: expired leases (crashed gateways) are swept first.
+redis.call("ZREMRANGEBYSCORE", KEYS[3], "-inf", now)
+local inflight = redis.call("ZCARD", KEYS[3])
+
+-- 2. Rates (computed before any write, so a rejection leaves no trace in them).
+local r_ok, r_retry, r_rem, r_reset, r_tat = gcra(KEYS[1], rpm, 1)
+local t_ok, t_retry, t_rem, t_reset, t_tat = gcra(KEYS[2], tpm, cost)
+if inflight >= tonumber(ARGV[5]) then
+  return reject(3, 1000, r_rem, r_reset, t_rem, t_reset)
+end
+if not r_ok then return reject(1, r_retry, r_rem, r_reset, t_rem, t_reset) end
+if not t_ok then return reject(2, t_retry, r_rem, r_reset, t_rem, t_reset) end
+
+-- 3. Latch quota: plan evictions (own LRU latches only) before writing anything.
+local prev, evicted = "", {}
+local new_total = 0
+if conv ~= "" and want_latch then
+  local nbytes, max_count, max_bytes = tonumber(ARGV[10]), tonumber(ARGV[12]), tonumber(ARGV[13])
+  prev = redis.call("HGET", KEYS[7], conv) or ""
+  local prev_bytes = tonumber(string.match(prev, "^(%d+)") or "0")
+  local count = redis.call("ZCARD", KEYS[6]) - (prev ~= "" and 1 or 0)
+  local total = tonumber(redis.call("GET", KEYS[8]) or "0") - prev_bytes
+  if nbytes > max_bytes or max_count < 1 then
+    return reject(4, 60000, r_rem, r_reset, t_rem, t_reset)
+  end
+  if count + 1 > max_count or total + nbytes > max_bytes then
+    if ARGV[14] == "reject" then return reject(4, 1000, r_rem, r_reset, t_rem, t_reset) end
+    local lru = redis.call("ZRANGE", KEYS[6], 0, -1)
+    for _, victim in ipairs(lru) do
+      if count + 1 <= max_count and total + nbytes <= max_bytes then break end
+      if victim ~= conv then
+        local info = redis.call("HGET", KEYS[7], victim) or "0"
+        total = total - tonumber(string.match(info, "^(%d+)") or "0")
+        count = count - 1
+        evicted[#evicted + 1] = victim
+      end
+    end
+  end
+  new_total = total + nbytes
+end
+
+-- 4. Commit.
+redis.call("SET", KEYS[1], r_tat, "PX", math.ceil(r_tat - now) + 1000)
+redis.call("SET", KEYS[2], t_tat, "PX", math.ceil(t_tat - now) + 1000)
+redis.call("ZADD", KEYS[3], tonumber(ARGV[7]), ARGV[6])
+redis.call("PEXPIRE", KEYS[3], tonumber(ARGV[7]) - now + 1000)
+redis.call("HINCRBY", KEYS[4], "requests", 1)
+redis.call("EXPIRE", KEYS[4], tonumber(ARGV[15]))
+redis.call("HINCRBY", KEYS[5], "requests", 1)
+if conv ~= "" then
+  if want_latch then
+    for _, victim in ipairs(evicted) do
+      redis.call("ZREM", KEYS[6], victim)
+      redis.call("HDEL", KEYS[7], victim)
+    end
+    redis.call("ZADD", KEYS[6], now, conv)
+    redis.call("HSET", KEYS[7], conv, ARGV[10] .. ":" .. ARGV[11])
+    redis.call("SET", KEYS[8], new_total)
+  else
+    redis.call("ZADD", KEYS[6], "XX", now, conv)  -- recency refresh, only if latched
+  end
+end
+local out = {0, 0, r_rem, r_reset, t_rem, t_reset, prev}
+for _, victim in ipairs(evicted) do out[#out + 1] = victim end
+return out

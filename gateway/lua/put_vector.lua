@@ -1,0 +1,20 @@
+-- put_vector.lua: register (or overwrite) a named vector's metadata within quota.
+-- KEYS[1] vectors HASH name -> JSON metadata (includes "bytes")
+-- ARGV[1] name   ARGV[2] JSON metadata   ARGV[3] its bytes
+-- ARGV[4] vector_count quota   ARGV[5] vector_bytes quota
+-- Returns {status, previous JSON or ""}: status 0 stored, 1 over quota (nothing written).
+local prev = redis.call("HGET", KEYS[1], ARGV[1]) or ""
+local count, total = 0, 0
+for _, meta in ipairs(redis.call("HVALS", KEYS[1])) do
+  count = count + 1
+  total = total + tonumber(string.match(meta, '"bytes":(%d+)') or "0")
+end
+if prev ~= "" then
+  count = count - 1
+  total = total - tonumber(string.match(prev, '"bytes":(%d+)') or "0")
+end
+if count + 1 > tonumber(ARGV[4]) or total + tonumber(ARGV[3]) > tonumber(ARGV[5]) then
+  return {1, prev}
+end
+redis.call("HSET", KEYS[1], ARGV[1], ARGV[2])
+return {0, prev}

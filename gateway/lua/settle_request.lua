@@ -1,0 +1,67 @@
+-- settle_request.lua: account one finished request (off the hot path, batched):
+-- release its lease, correct the token reservation to actual usage, count its status,
+-- and fix latch state from the engine's x-steering-latch answer.
+--
+-- KEYS: as admit_request.lua (gcra:req, gcra:tok, leases, usage minute, usage total,
+--       latches, latch info, latch bytes)
+-- ARGV[1] now ms   ARGV[2] lease id   ARGV[3] tpm   ARGV[4] token delta (actual - reserved)
+-- ARGV[5] status class ("2xx"|"4xx"|"5xx"|"")   ARGV[6] tokens used
+-- ARGV[7] conversation id ("" = none)
+-- ARGV[8] latch action: "" none | "keep" engine stored it | "drop" engine has none |
+--         "restore" request failed: put ARGV[9] (previous "bytes:kind", "" = none) back
+-- ARGV[9] previous latch info   ARGV[10] usage minute TTL s
+-- Returns 1 when action was "keep" but the latch is no longer ours in Redis (it was
+-- evicted while the request ran): the caller must DELETE it on the engine. Else 0.
+
+local now = tonumber(ARGV[1])
+redis.call("ZREM", KEYS[3], ARGV[2])
+
+local delta = tonumber(ARGV[4])
+if delta ~= 0 then
+  local interval = 60000 / tonumber(ARGV[3])
+  local tat = tonumber(redis.call("GET", KEYS[2]) or now)
+  if delta > 0 and tat < now then tat = now end
+  tat = tat + delta * interval
+  if tat > now then
+    redis.call("SET", KEYS[2], tat, "PX", math.ceil(tat - now) + 1000)
+  else
+    redis.call("DEL", KEYS[2])
+  end
+end
+
+if ARGV[5] ~= "" then
+  redis.call("HINCRBY", KEYS[4], ARGV[5], 1)
+  redis.call("HINCRBY", KEYS[5], ARGV[5], 1)
+end
+local used = tonumber(ARGV[6])
+if used > 0 then
+  redis.call("HINCRBY", KEYS[4], "tokens", used)
+  redis.call("HINCRBY", KEYS[5], "tokens", used)
+end
+redis.call("EXPIRE", KEYS[4], tonumber(ARGV[10]))
+
+local conv, action = ARGV[7], ARGV[8]
+if conv == "" or action == "" then return 0 end
+local cur = redis.call("HGET", KEYS[7], conv)
+local function bytes_of(info) return tonumber(string.match(info or "0", "^(%d+)") or "0") end
+local function remove()
+  if cur then
+    redis.call("ZREM", KEYS[6], conv)
+    redis.call("HDEL", KEYS[7], conv)
+    redis.call("DECRBY", KEYS[8], bytes_of(cur))
+  end
+end
+if action == "keep" then
+  if not cur then return 1 end
+  return 0
+elseif action == "drop" then
+  remove()
+elseif action == "restore" then
+  remove()
+  if ARGV[9] ~= "" then
+    redis.call("ZADD", KEYS[6], now, conv)
+    redis.call("HSET", KEYS[7], conv, ARGV[9])
+    redis.call("INCRBY", KEYS[8], bytes_of(ARGV[9]))
+  end
+end
+return 0

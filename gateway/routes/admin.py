@@ -1,0 +1,224 @@
+"""The admin API (contract §3): tenants, their keys, everyone's usage, the engines.
+
+Every route needs the admin key (``AdminDep``: compared in constant time; a tenant
+key is 403, no or an unknown key 401). Decisions about limits — validation, the
+overcommit 409 — are ``TenantStore``'s, so the CLI, ``steergate up`` and this API
+can never disagree. Bodies are parsed by hand rather than by FastAPI models so that
+every 400 is OpenAI-shaped and names its field (``param``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import JSONResponse, Response
+
+from gateway import usage
+from gateway.auth import require_admin
+from gateway.deps import get_services
+from gateway.overview import capacity, engine_statuses
+from gateway.tenants import Tenant, TenantStore
+from gateway.upstream import EnginePool, UpstreamResponse
+from shared.errors import APIError, InvalidField
+from shared.scoping import check_tenant_id, tenant_prefix
+
+log = logging.getLogger("steergate.gateway.admin")
+
+router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)])
+
+CREATE_FIELDS = {"id", "name", "limits", "allow_overcommit"}
+MAX_NAME = 200
+
+
+def _store(request: Request) -> TenantStore:
+    return get_services(request).tenants
+
+
+def _pool(request: Request) -> EnginePool:
+    return get_services(request).pool
+
+
+async def _json_object(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise APIError(400, "invalid_json", "The request body is not valid JSON.") from exc
+    if not isinstance(body, dict):
+        raise InvalidField("body", "The request body must be a JSON object.")
+    return body
+
+
+def _check_common(body: dict[str, Any]) -> None:
+    name = body.get("name")
+    if name is not None and (not isinstance(name, str) or len(name) > MAX_NAME):
+        raise InvalidField("name", f"'name' must be a string of at most {MAX_NAME} characters")
+    if "allow_overcommit" in body and not isinstance(body["allow_overcommit"], bool):
+        raise InvalidField("allow_overcommit", "'allow_overcommit' must be a boolean")
+    limits = body.get("limits")
+    if limits is not None and not isinstance(limits, dict):
+        raise InvalidField("limits", "'limits' must be an object")
+
+
+def _public(tenant: Tenant) -> dict[str, Any]:
+    return tenant.model_dump(mode="json")
+
+
+# ------------------------------------------------------------------------- tenants
+
+
+@router.post("/tenants", status_code=201)
+async def create_tenant(request: Request) -> JSONResponse:
+    body = await _json_object(request)
+    for field in body:
+        if field not in CREATE_FIELDS:
+            raise InvalidField(str(field), f"unknown field '{field}'")
+    if "id" not in body:
+        raise InvalidField("id", "'id' is required")
+    check_tenant_id(body["id"])
+    _check_common(body)
+    tenant = await _store(request).create(
+        body["id"],
+        name=body.get("name") or "",
+        limits=body.get("limits"),
+        allow_overcommit=bool(body.get("allow_overcommit", False)),
+    )
+    log.info("tenant %s created", tenant.id)
+    return JSONResponse(_public(tenant), status_code=201)
+
+
+@router.get("/tenants")
+async def list_tenants(request: Request) -> dict[str, Any]:
+    return {"tenants": [_public(t) for t in await _store(request).list()]}
+
+
+@router.get("/tenants/{tenant_id}")
+async def get_tenant(tenant_id: str, request: Request) -> dict[str, Any]:
+    return _public(await _store(request).require(tenant_id))
+
+
+@router.patch("/tenants/{tenant_id}")
+async def update_tenant(tenant_id: str, request: Request) -> dict[str, Any]:
+    body = await _json_object(request)
+    _check_common(body)
+    if "id" in body and body["id"] != tenant_id:
+        raise InvalidField("id", "a tenant's id cannot be changed")
+    body.pop("id", None)
+    tenant = await _store(request).update(tenant_id, body)
+    log.info("tenant %s updated", tenant_id)
+    return _public(tenant)
+
+
+@router.delete("/tenants/{tenant_id}", status_code=204)
+async def delete_tenant(tenant_id: str, request: Request) -> Response:
+    if not await _store(request).delete(tenant_id):
+        raise APIError(404, "tenant_not_found", f"no tenant '{tenant_id}'", param="id")
+    await _sweep_engines(_pool(request), tenant_id)
+    metrics = getattr(request.app.state, "metrics", None)
+    if metrics is not None:
+        metrics.forget_tenant(tenant_id)
+    log.info("tenant %s deleted", tenant_id)
+    return Response(status_code=204)
+
+
+async def _sweep_engines(pool: EnginePool, tenant_id: str) -> None:
+    """Delete whatever the engines still hold under the tenant's scope.
+
+    ``TenantStore.delete`` removes what Redis knew about; this catches what Redis did
+    not (drift, a crash mid-request), so a later tenant with the same id starts empty.
+    Best effort: an unreachable engine loses its latches on restart anyway."""
+    prefix = tenant_prefix(tenant_id)
+    listed = await pool.broadcast("GET", f"/v1/steering/latches?prefix={prefix}")
+    vectors = await pool.broadcast("GET", "/v1/steering/vectors")
+    deletes: list[str] = []
+    for r in listed:
+        for row in _rows(r, "latches"):
+            conv = str(row.get("conversation_id", ""))
+            if conv.startswith(prefix):
+                deletes.append(f"/v1/steering/latches/{conv}")
+    for r in vectors:
+        for row in _rows(r, "vectors"):
+            name = str(row.get("name", ""))
+            if name.startswith(prefix):
+                deletes.append(f"/v1/steering/vectors/{name}")
+    for path in sorted(set(deletes)):
+        await pool.broadcast("DELETE", path)
+
+
+def _rows(r: UpstreamResponse | APIError, field: str) -> list[dict[str, Any]]:
+    if not isinstance(r, UpstreamResponse) or r.status != 200:
+        return []
+    try:
+        doc = r.json()
+    except ValueError:
+        return []
+    rows = doc.get(field, doc.get("data", [])) if isinstance(doc, dict) else doc
+    return [row for row in rows if isinstance(row, dict)] if isinstance(rows, list) else []
+
+
+# ------------------------------------------------------------------------- keys
+
+
+@router.post("/tenants/{tenant_id}/keys", status_code=201)
+async def create_key(tenant_id: str, request: Request) -> JSONResponse:
+    await _json_object(request)  # accepted and ignored: keys have no options yet
+    key_id, key, prefix = await _store(request).create_key(tenant_id)
+    log.info("key %s created for tenant %s", key_id, tenant_id)
+    return JSONResponse(
+        {"key_id": key_id, "key": key, "prefix": prefix, "tenant_id": tenant_id},
+        status_code=201,
+        headers={"Cache-Control": "no-store"},
+    )
+
+
+@router.get("/tenants/{tenant_id}/keys")
+async def list_keys(tenant_id: str, request: Request) -> dict[str, Any]:
+    return {"keys": [k.public() for k in await _store(request).list_keys(tenant_id)]}
+
+
+@router.delete("/keys/{key_id}", status_code=204)
+async def revoke_key(key_id: str, request: Request) -> Response:
+    if not await _store(request).revoke_key(key_id):
+        raise APIError(404, "key_not_found", f"no key '{key_id}'", param="key_id")
+    log.info("key %s revoked", key_id)
+    return Response(status_code=204)
+
+
+# ------------------------------------------------------------------------- usage, engines
+
+
+@router.get("/usage")
+async def all_usage(
+    request: Request,
+    tenant: str | None = Query(default=None, description="only this tenant"),
+    history: bool = Query(default=False, description="include the per-minute history"),
+) -> dict[str, Any]:
+    store = _store(request)
+    tenants = await store.list()
+    shown = tenants
+    if tenant is not None:
+        check_tenant_id(tenant, "tenant")
+        shown = [t for t in tenants if t.id == tenant]
+        if not shown:
+            raise APIError(404, "tenant_not_found", f"no tenant '{tenant}'", param="tenant")
+    now = usage.now_ms()
+    rows = await asyncio.gather(
+        *(usage.read_usage(store.redis, t, now, history=history) for t in shown)
+    )
+    caps = _pool(request).caps()
+    return {
+        "tenants": [r.model_dump(mode="json", exclude_none=True) for r in rows],
+        "capacity": {k: v.model_dump() for k, v in capacity(tenants, caps).items()},
+    }
+
+
+@router.get("/engines")
+async def engines(request: Request) -> dict[str, Any]:
+    statuses = await engine_statuses(_pool(request))
+    return {"engines": [s.model_dump(mode="json") for s in statuses]}

@@ -1,0 +1,58 @@
+"""A tenant's latches: listed from Redis accounting (reconciled with the engines),
+deleted on every engine under the scoped id. Clients only ever see their own ids."""
+
+from __future__ import annotations
+
+import orjson
+from fastapi import APIRouter, Response
+
+from gateway import keys
+from gateway.auth import TenantDep
+from gateway.deps import ServicesDep
+from gateway.store import store_errors
+from gateway.upstream import UpstreamResponse
+from shared.errors import APIError
+from shared.scoping import check_conversation_id, scope
+
+router = APIRouter(tags=["latches"])
+
+
+@router.get("/v1/steering/latches")
+async def list_latches(tenant: TenantDep, svc: ServicesDep) -> Response:
+    async with store_errors():
+        members = await svc.redis.zrange(keys.latches(tenant.id), 0, -1, withscores=True)
+        info = await svc.redis.hgetall(keys.latch_info(tenant.id))
+    rows = []
+    for conv, used in reversed(members):  # most recently used first
+        nbytes, _, kind = (info.get(conv) or "0:ref").partition(":")
+        rows.append(
+            {
+                "conversation_id": conv,
+                "bytes": int(nbytes),
+                "kind": kind or "ref",
+                "last_used": used / 1000.0,
+            }
+        )
+    return Response(orjson.dumps(rows), media_type="application/json")
+
+
+@router.delete("/v1/steering/latches/{conversation_id}", status_code=204)
+async def delete_latch(conversation_id: str, tenant: TenantDep, svc: ServicesDep) -> Response:
+    check_conversation_id(conversation_id)
+    async with store_errors():
+        removed = await svc.scripts.drop_latch(
+            keys=[keys.latches(tenant.id), keys.latch_info(tenant.id), keys.latch_bytes(tenant.id)],
+            args=[conversation_id],
+        )
+    results = await svc.pool.broadcast(
+        "DELETE", f"/v1/steering/latches/{scope(tenant.id, conversation_id)}"
+    )
+    on_engine = any(isinstance(r, UpstreamResponse) and r.status == 204 for r in results)
+    if not removed and not on_engine:
+        raise APIError(
+            404,
+            "latch_not_found",
+            f"No latch for conversation '{conversation_id}'.",
+            param="conversation_id",
+        )
+    return Response(status_code=204)

@@ -1,0 +1,23 @@
+"""``GET /v1/usage``: the caller's own tenant — limits, current use, response counts
+and the last hour minute by minute. See ``gateway/usage.py`` for what each number
+means; this route only authenticates and serialises."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+
+from gateway import usage
+from gateway.auth import TenantDep
+from gateway.deps import ServicesDep
+
+router = APIRouter(tags=["usage"])
+
+
+@router.get("/v1/usage")
+async def my_usage(tenant: TenantDep, svc: ServicesDep) -> dict[str, Any]:
+    # Authentication may have come from the replica's cache; show the live limits.
+    current = await svc.tenants.get(tenant.id) or tenant
+    row = await usage.read_usage(svc.redis, current, usage.now_ms(), history=True)
+    return row.model_dump(mode="json")

@@ -1,0 +1,50 @@
+"""``steergate gateway [--port 8080] [--host H]``: validate the secrets, then serve."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+REQUIRED = {
+    "admin_key": "STEERGATE_ADMIN_KEY",
+    "key_pepper": "STEERGATE_KEY_PEPPER",
+    "engine_token": "STEERGATE_ENGINE_TOKEN",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="steergate gateway")
+    parser.add_argument("--port", type=int, default=None)
+    parser.add_argument("--host", default=None)
+    parser.add_argument("--log-level", default="info")
+    args = parser.parse_args(argv)
+
+    from shared.settings import GatewaySettings
+
+    overrides = {k: v for k, v in {"port": args.port, "host": args.host}.items() if v is not None}
+    settings = GatewaySettings(**overrides)
+    missing = [env for field, env in REQUIRED.items() if not getattr(settings, field)]
+    if missing:
+        print(
+            f"steergate gateway: refusing to start: set {', '.join(missing)} "
+            "(secrets the gateway needs; `steergate up` generates them for local use).",
+            file=sys.stderr,
+        )
+        return 2
+
+    import uvicorn
+
+    from gateway.app import create_app
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=args.log_level,
+        access_log=False,
+    )
+    return 0

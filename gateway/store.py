@@ -1,0 +1,77 @@
+"""The Redis connection: which client for which URL, its timeouts, and how store
+failures become ``503 store_unavailable``.
+
+``REDIS_URL`` unset -> fakeredis in this process (the embedded store of
+``steergate up``): the same Lua scripts run on it, but it is per-process, so it is
+logged loudly as single-replica only. ``redis+cluster://`` -> ``RedisCluster``.
+Short socket timeouts bound every call, so an unreachable Redis answers 503 within
+about a second instead of hanging a request.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import RedisError
+
+from shared.errors import APIError
+
+log = logging.getLogger("steergate.gateway.store")
+
+Redis = Any  # redis.asyncio.Redis | RedisCluster | fakeredis.FakeAsyncRedis (same command API)
+
+LUA_DIR = Path(__file__).resolve().parent / "lua"
+
+
+def connect(url: str | None, timeout_s: float) -> Redis:
+    """A client for ``url``; nothing is contacted until the first command."""
+    if not url:
+        import fakeredis
+
+        log.warning(
+            "REDIS_URL is not set: using the EMBEDDED in-process store. Limits, keys and latch "
+            "accounting are NOT shared with other gateway processes; use it for one process only."
+        )
+        return fakeredis.FakeAsyncRedis(decode_responses=True)
+    common: dict[str, Any] = {
+        "decode_responses": True,
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": timeout_s,
+    }
+    if url.startswith("redis+cluster://") or url.startswith("rediss+cluster://"):
+        plain = url.replace("+cluster", "", 1)
+        return RedisCluster.from_url(plain, **common)
+    return aioredis.Redis.from_url(
+        url, health_check_interval=0, retry_on_timeout=False, max_connections=256, **common
+    )
+
+
+def is_embedded(client: Redis) -> bool:
+    return type(client).__module__.startswith("fakeredis")
+
+
+def lua_source(name: str) -> str:
+    """The text of ``gateway/lua/<name>.lua``."""
+    return (LUA_DIR / f"{name}.lua").read_text()
+
+
+def store_unavailable() -> APIError:
+    return APIError(
+        503, "store_unavailable", "The rate-limit store is unavailable; try again shortly."
+    )
+
+
+@asynccontextmanager
+async def store_errors() -> AsyncIterator[None]:
+    """Turn any Redis failure into 503 store_unavailable (never a 500 or a hang)."""
+    try:
+        yield
+    except (RedisError, OSError) as exc:
+        log.warning("redis unavailable: %s", type(exc).__name__)
+        raise store_unavailable() from exc

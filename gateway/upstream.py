@@ -1,0 +1,262 @@
+"""The upstream boundary: the only module that owns an ``httpx.AsyncClient`` and the
+only one that sees httpx exceptions. Everything leaves it as our own types:
+``UpstreamResponse``, ``UpstreamStream`` (chunks; ``UpstreamBroken`` mid-stream) or
+``APIError`` (502 engine_unavailable, 504 engine_timeout).
+
+Routing: a conversation always goes to the same engine (rendezvous hashing on its
+scoped id, so adding/removing an engine moves only its share); other requests go to
+the engine with the fewest requests in flight. Engine info (shape, caps, epoch) is
+polled in the background; an epoch change means the engine restarted and lost its
+latches, which triggers reconciliation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import orjson
+
+from shared.errors import APIError
+from shared.steering import ModelShape
+
+log = logging.getLogger("steergate.gateway.upstream")
+
+
+def quiet_http_client_logs() -> None:
+    """httpx logs every request URL at INFO, and engine URLs carry tenant-scoped ids
+    (``/v1/steering/latches/<tenant>~<id>``), which must never reach a log line."""
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+class UpstreamBroken(Exception):
+    """The engine connection failed after the response had started."""
+
+
+@dataclass
+class Engine:
+    url: str
+    healthy: bool = True
+    inflight: int = 0
+    info: dict[str, Any] | None = None
+
+    @property
+    def epoch(self) -> Any:
+        return (self.info or {}).get("epoch")
+
+
+@dataclass
+class UpstreamResponse:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return orjson.loads(self.body)
+
+
+@dataclass
+class UpstreamStream:
+    status: int
+    headers: dict[str, str]
+    _response: httpx.Response = field(repr=False)
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._response.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as exc:
+            raise UpstreamBroken(type(exc).__name__) from exc
+
+    async def read(self) -> bytes:
+        try:
+            return await self._response.aread()
+        except httpx.HTTPError as exc:
+            raise UpstreamBroken(type(exc).__name__) from exc
+
+
+def _unavailable(engine: Engine, exc: Exception) -> APIError:
+    if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
+        return APIError(504, "engine_timeout", "The inference engine timed out.")
+    engine.healthy = False
+    return APIError(502, "engine_unavailable", "The inference engine is unavailable.")
+
+
+EpochCallback = Callable[[Engine], Awaitable[None]]
+
+
+class EnginePool:
+    """The engines behind this gateway and the one HTTP client that talks to them."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        token: str,
+        *,
+        connect_timeout_s: float = 5.0,
+        read_timeout_s: float = 600.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        quiet_http_client_logs()
+        self.engines = [Engine(u) for u in urls]
+        self._client = httpx.AsyncClient(
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=httpx.Timeout(
+                read_timeout_s, connect=connect_timeout_s, pool=connect_timeout_s
+            ),
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
+            transport=transport,
+        )
+        self._rr = 0
+        #: Called for an engine whose epoch changed (it restarted); set by the lifespan.
+        self.on_epoch_change: EpochCallback | None = None
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    # -- routing -----------------------------------------------------------------
+
+    def pick(self, affinity: str | None = None) -> Engine:
+        candidates = [e for e in self.engines if e.healthy] or self.engines
+        if len(candidates) == 1:
+            return candidates[0]
+        if affinity:
+            return max(
+                candidates,
+                key=lambda e: hashlib.blake2b(
+                    f"{e.url}\0{affinity}".encode(), digest_size=8
+                ).digest(),
+            )
+        self._rr += 1
+        return min(
+            candidates,
+            key=lambda e: (e.inflight, (self.engines.index(e) + self._rr) % len(self.engines)),
+        )
+
+    # -- calls -------------------------------------------------------------------
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        engine: Engine | None = None,
+        json: Any = None,
+        content: bytes | None = None,
+        params: dict[str, str] | None = None,
+    ) -> UpstreamResponse:
+        engine = engine or self.pick()
+        headers = {"content-type": "application/json"} if content is not None else None
+        engine.inflight += 1
+        try:
+            r = await self._client.request(
+                method,
+                engine.url + path,
+                json=json,
+                content=content,
+                params=params,
+                headers=headers,
+            )
+        except httpx.HTTPError as exc:
+            raise _unavailable(engine, exc) from exc
+        finally:
+            engine.inflight -= 1
+        _check_token(r.status_code)
+        return UpstreamResponse(r.status_code, dict(r.headers), r.content)
+
+    @contextlib.asynccontextmanager
+    async def stream(
+        self, path: str, content: bytes, *, engine: Engine
+    ) -> AsyncIterator[UpstreamStream]:
+        """POST ``content`` and expose the response as it arrives (never buffered)."""
+        req = self._client.build_request(
+            "POST", engine.url + path, content=content, headers={"content-type": "application/json"}
+        )
+        engine.inflight += 1
+        try:
+            try:
+                r = await self._client.send(req, stream=True)
+            except httpx.HTTPError as exc:
+                raise _unavailable(engine, exc) from exc
+            try:
+                _check_token(r.status_code)
+                yield UpstreamStream(r.status_code, dict(r.headers), r)
+            finally:
+                await r.aclose()
+        finally:
+            engine.inflight -= 1
+
+    async def broadcast(
+        self, method: str, path: str, *, json: Any = None
+    ) -> list[UpstreamResponse | APIError]:
+        """The same call on every engine (vector registry, latch deletes)."""
+
+        async def one(e: Engine) -> UpstreamResponse | APIError:
+            try:
+                return await self.request(method, path, engine=e, json=json)
+            except APIError as exc:
+                return exc
+
+        return list(await asyncio.gather(*(one(e) for e in self.engines)))
+
+    # -- engine info -------------------------------------------------------------
+
+    def shape(self) -> ModelShape | None:
+        for e in self.engines:
+            if e.info and "hidden_size" in e.info and "num_layers" in e.info:
+                return ModelShape(int(e.info["hidden_size"]), int(e.info["num_layers"]))
+        return None
+
+    def caps(self) -> tuple[int, int] | None:
+        """The smallest latch caps over engines that reported them."""
+        known = [e.info for e in self.engines if e.info and "max_latched_conversations" in e.info]
+        if not known:
+            return None
+        return (
+            min(int(i["max_latched_conversations"]) for i in known),
+            min(int(i["max_latched_bytes"]) for i in known),
+        )
+
+    async def refresh(self) -> None:
+        """Fetch every engine's info; call ``on_epoch_change`` for restarted engines."""
+        on_epoch_change = self.on_epoch_change
+
+        async def one(e: Engine) -> None:
+            try:
+                r = await self._client.get(e.url + "/v1/steering/info", timeout=2.0)
+            except httpx.HTTPError:
+                e.healthy = False
+                return
+            if r.status_code != 200:
+                e.healthy = False
+                return
+            info = r.json()
+            changed = e.info is not None and info.get("epoch") != e.epoch
+            e.info, e.healthy = info, True
+            if changed and on_epoch_change is not None:
+                log.info("engine %s restarted (new epoch); reconciling latches", e.url)
+                await on_epoch_change(e)
+
+        await asyncio.gather(*(one(e) for e in self.engines))
+
+    async def poll(self, stop: asyncio.Event, interval_s: float) -> None:
+        while not stop.is_set():
+            try:
+                await self.refresh()
+            except Exception:  # never let the poller die; the next round retries
+                log.exception("engine poll failed")
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval_s)
+
+
+def _check_token(status: int) -> None:
+    if status in (401, 403):
+        # Never relay as the client's own auth failure: it is our configuration.
+        raise APIError(502, "engine_unavailable", "The inference engine refused the gateway.")

@@ -1,0 +1,215 @@
+"""A tenant's usage, read from the keys the limiter scripts keep (see ``gateway/keys.py``).
+
+Nothing here keeps its own counters for requests, tokens or statuses: the numbers
+are the limiter's own state, so what ``/v1/usage``, the dashboard and ``/metrics``
+show is exactly what admission decides on, and it is the same on every replica.
+
+* requests/min and tokens/min ``used``: how much of the GCRA window is taken, i.e.
+  ``ceil((TAT - now) / interval)`` with ``interval = 60 s / limit``. It drains
+  continuously at ``limit`` per minute; at ``used == limit`` the next request is
+  refused. (Tokens include reservations of requests still running.)
+* concurrency: unexpired leases; latches: the latch ZSET and byte total; vectors:
+  the vector hash (count and Σ ``bytes``).
+* responses and history: the per-minute hashes ``usage:<minute>`` (fields
+  ``requests`` — admitted —, ``tokens``, ``2xx``, ``4xx``, ``429``, ``5xx``).
+  ``429`` is kept apart from ``4xx``. These count inference requests (what the
+  limiter admits and settles), not vector uploads or admin calls.
+* rejections: the cause of each 429 is not in the limiter's hashes;
+  :func:`record_rejection` (called by the metrics middleware for every 429 a tenant
+  gets) adds ``429:<code>`` fields. Inference 429s the limiter counted without a
+  recorded cause are shown as ``unattributed`` rather than hidden;
+  ``vector_quota_exceeded`` comes from vector uploads and is not part of ``429``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+from pydantic import BaseModel, Field
+
+from gateway import keys
+from gateway.store import Redis, store_errors
+from gateway.tenants import Limits, Tenant
+
+HISTORY_MINUTES = 60
+STATUS_CLASSES = ("2xx", "4xx", "429", "5xx")
+REJECTION_CAUSES = (
+    "rate_limit_exceeded",
+    "concurrency_limit_exceeded",
+    "latch_quota_exceeded",
+    "vector_quota_exceeded",
+)
+#: 429s given outside the limiter's admission (not in its ``429`` count).
+NON_INFERENCE_CAUSES = frozenset({"vector_quota_exceeded"})
+CAUSE_PREFIX = "429:"
+PERIOD_MS = 60_000
+
+
+class QuotaUse(BaseModel):
+    used: int
+    limit: int
+
+
+class UsageMinute(BaseModel):
+    """One minute of a tenant's traffic; ``minute`` is its start (unix seconds)."""
+
+    minute: int
+    requests: int = 0
+    tokens: int = 0
+    counts: dict[str, int] = Field(default_factory=dict, description="2xx, 4xx, 429, 5xx")
+
+
+class TenantUsage(BaseModel):
+    tenant_id: str
+    name: str = ""
+    limits: Limits
+    quotas: dict[str, QuotaUse] = Field(description="used/limit per quota, keyed as in QUOTA_NAMES")
+    window_minutes: int = HISTORY_MINUTES
+    responses: dict[str, int] = Field(description="2xx/4xx/429/5xx in the last window_minutes")
+    responses_total: dict[str, int] = Field(
+        description="2xx/4xx/429/5xx since the tenant was created"
+    )
+    tokens_total: int = Field(default=0, description="tokens charged since the tenant was created")
+    rejections: dict[str, int] = Field(description="429s by error code in the last window_minutes")
+    history: list[UsageMinute] | None = Field(
+        default=None, description="oldest first, one per minute"
+    )
+
+
+def gcra_used(tat_ms: float | None, now_ms: int, limit: int) -> int:
+    """How much of a GCRA's one-minute window is taken at ``now_ms``."""
+    if tat_ms is None or tat_ms <= now_ms or limit <= 0:
+        return 0
+    interval = PERIOD_MS / limit
+    return min(limit, math.ceil((tat_ms - now_ms) / interval - 1e-9))
+
+
+def now_ms() -> int:
+    """The gateway's clock, as the scripts see it (they take ``now`` from the caller)."""
+    return int(time.time() * 1000)
+
+
+def _int(value: Any) -> int:
+    try:
+        return int(float(value))
+    except (TypeError, ValueError):
+        return 0
+
+
+def _vector_totals(rows: Sequence[str]) -> tuple[int, int]:
+    total = 0
+    for raw in rows:
+        try:
+            total += _int(orjson.loads(raw).get("bytes"))
+        except (orjson.JSONDecodeError, AttributeError):
+            continue
+    return len(rows), total
+
+
+def _counts(row: dict[str, Any]) -> dict[str, int]:
+    return {c: _int(row.get(c)) for c in STATUS_CLASSES}
+
+
+def _rejections(row: dict[str, Any]) -> dict[str, int]:
+    out = {cause: _int(row.get(CAUSE_PREFIX + cause)) for cause in REJECTION_CAUSES}
+    for field, value in row.items():  # causes this module does not know yet
+        if field.startswith(CAUSE_PREFIX) and field[len(CAUSE_PREFIX) :] not in out:
+            out[field[len(CAUSE_PREFIX) :]] = _int(value)
+    attributed = sum(v for k, v in out.items() if k not in NON_INFERENCE_CAUSES)
+    unattributed = _int(row.get("429")) - attributed
+    if unattributed > 0:
+        out["unattributed"] = unattributed
+    return out
+
+
+async def read_usage(
+    redis: Redis,
+    tenant: Tenant,
+    now_ms: int,
+    *,
+    history: bool = True,
+    minutes: int = HISTORY_MINUTES,
+) -> TenantUsage:
+    """One tenant's usage in one pipelined round trip (all keys share its slot)."""
+    tid, lim = tenant.id, tenant.limits
+    current = now_ms // PERIOD_MS
+    window = list(range(current - minutes + 1, current + 1))
+    async with store_errors():
+        pipe = redis.pipeline(transaction=False)
+        pipe.get(keys.gcra_requests(tid))
+        pipe.get(keys.gcra_tokens(tid))
+        pipe.zcount(keys.leases(tid), f"({now_ms}", "+inf")
+        pipe.zcard(keys.latches(tid))
+        pipe.get(keys.latch_bytes(tid))
+        pipe.hvals(keys.vectors(tid))
+        pipe.hgetall(keys.usage_total(tid))
+        for minute in window:
+            pipe.hgetall(keys.usage_minute(tid, minute))
+        r = await pipe.execute()
+    tat_req, tat_tok, inflight, latch_count, latch_bytes, vector_rows, total = r[:7]
+    minute_rows: list[dict[str, Any]] = [row or {} for row in r[7:]]
+    vector_count, vector_bytes = _vector_totals(vector_rows)
+    quotas = {
+        "requests_per_minute": QuotaUse(
+            used=gcra_used(_float(tat_req), now_ms, lim.rpm), limit=lim.rpm
+        ),
+        "tokens_per_minute": QuotaUse(
+            used=gcra_used(_float(tat_tok), now_ms, lim.tpm), limit=lim.tpm
+        ),
+        "concurrency": QuotaUse(used=_int(inflight), limit=lim.max_concurrency),
+        "latch_count": QuotaUse(used=_int(latch_count), limit=lim.latch_count),
+        "latch_bytes": QuotaUse(used=max(0, _int(latch_bytes)), limit=lim.latch_bytes),
+        "vector_count": QuotaUse(used=vector_count, limit=lim.vector_count),
+        "vector_bytes": QuotaUse(used=vector_bytes, limit=lim.vector_bytes),
+    }
+    summed: dict[str, int] = {}
+    for row in minute_rows:
+        for field, value in row.items():
+            summed[field] = summed.get(field, 0) + _int(value)
+    return TenantUsage(
+        tenant_id=tid,
+        name=tenant.name,
+        limits=lim,
+        quotas=quotas,
+        window_minutes=minutes,
+        responses=_counts(summed),
+        responses_total=_counts(total or {}),
+        tokens_total=_int((total or {}).get("tokens")),
+        rejections=_rejections(summed),
+        history=[
+            UsageMinute(
+                minute=m * 60,
+                requests=_int(row.get("requests")),
+                tokens=_int(row.get("tokens")),
+                counts=_counts(row),
+            )
+            for m, row in zip(window, minute_rows, strict=True)
+        ]
+        if history
+        else None,
+    )
+
+
+def _float(value: Any) -> float | None:
+    try:
+        return float(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+async def record_rejection(redis: Redis, tenant_id: str, cause: str, now_ms: int) -> None:
+    """Count one 429's cause next to the limiter's ``429`` field (minute and total).
+
+    The limiter script counts every 429 it gives but not why; the request path calls
+    this with the error code so the dashboard can show 429s by cause."""
+    minute_key = keys.usage_minute(tenant_id, now_ms // PERIOD_MS)
+    async with store_errors():
+        pipe = redis.pipeline(transaction=False)
+        pipe.hincrby(minute_key, CAUSE_PREFIX + cause, 1)
+        pipe.expire(minute_key, keys.USAGE_MINUTE_TTL_S)
+        pipe.hincrby(keys.usage_total(tenant_id), CAUSE_PREFIX + cause, 1)
+        await pipe.execute()

@@ -1,0 +1,134 @@
+"""A ``transformers`` reference for steered greedy decoding, and an HTTP client
+for the engine's completions route that returns token ids and logprobs.
+
+The reference runs ``LlamaForCausalLM`` in float32 on the same weights and adds the
+steering vectors with forward hooks at the same three points vLLM steers:
+
+* ``pre_attn``  l: forward pre-hook on layer l (the stream entering it);
+* ``post_attn`` l: forward hook on ``layers[l].self_attn`` (attention output, which
+  HF adds to the residual right after: the stream after attention's residual add);
+* ``post_block`` l: forward hook on layer l (its output).
+
+Each greedy step is a full forward over prompt + generated tokens (no KV cache), so
+the phase mask is simply "position < prompt length".
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+Site = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class Generation:
+    tokens: list[int]
+    logprobs: list[float]
+
+
+@cache
+def _model(path: str) -> Any:
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model.eval()
+
+
+def reference(
+    model_dir: str | Path,
+    prompt: Sequence[int],
+    sites: Mapping[Site, np.ndarray] | None = None,
+    phase: str = "all",
+    max_tokens: int = 8,
+) -> Generation:
+    model = _model(str(model_dir))
+    layers = model.model.layers
+    n_prompt = len(prompt)
+    mask_box: list[torch.Tensor] = []
+
+    def add(t: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
+        return t + mask_box[0][None, :, None] * vec
+
+    handles = []
+    for (hook, layer), raw in (sites or {}).items():
+        vec = torch.as_tensor(np.asarray(raw, dtype=np.float32))
+        if hook == "pre_attn":
+            def pre(mod: Any, args: tuple, kwargs: dict, vec: torch.Tensor = vec) -> Any:
+                if args:
+                    return (add(args[0], vec), *args[1:]), kwargs
+                return args, {**kwargs, "hidden_states": add(kwargs["hidden_states"], vec)}
+            handles.append(layers[layer].register_forward_pre_hook(pre, with_kwargs=True))
+        elif hook == "post_attn":
+            def attn(mod: Any, args: tuple, out: Any, vec: torch.Tensor = vec) -> Any:
+                return (add(out[0], vec), *out[1:])
+            handles.append(layers[layer].self_attn.register_forward_hook(attn))
+        elif hook == "post_block":
+            def block(mod: Any, args: tuple, out: Any, vec: torch.Tensor = vec) -> Any:
+                if isinstance(out, tuple):
+                    return (add(out[0], vec), *out[1:])
+                return add(out, vec)
+            handles.append(layers[layer].register_forward_hook(block))
+        else:
+            raise ValueError(hook)
+    try:
+        ids = list(prompt)
+        logprobs: list[float] = []
+        with torch.no_grad():
+            for _ in range(max_tokens):
+                pos = torch.arange(len(ids))
+                is_prompt = pos < n_prompt
+                steer = {"all": torch.ones_like(is_prompt), "prefill": is_prompt,
+                         "decode": ~is_prompt}[phase]
+                mask_box[:] = [steer.to(torch.float32)]
+                logits = model(torch.tensor([ids])).logits[0, -1].to(torch.float64)
+                lp = torch.log_softmax(logits, dim=-1)
+                tok = int(torch.argmax(logits))
+                ids.append(tok)
+                logprobs.append(float(lp[tok]))
+        return Generation(ids[n_prompt:], logprobs)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def steering_field(sites: Mapping[Site, np.ndarray], phase: str = "all") -> dict[str, Any]:
+    """The public ``steering`` request field for these sites (packed float32 terms)."""
+    by_hook: dict[str, list[tuple[int, np.ndarray]]] = {}
+    for (hook, layer), vec in sorted(sites.items()):
+        by_hook.setdefault(hook, []).append((layer, np.asarray(vec, dtype="<f4")))
+    vectors = []
+    for hook, rows in by_hook.items():
+        matrix = np.stack([v for _, v in rows])
+        vectors.append({"hook": hook, "packed": {
+            "dtype": "float32", "shape": list(matrix.shape),
+            "layer_indices": [layer for layer, _ in rows],
+            "data": base64.b64encode(matrix.astype("<f4").tobytes()).decode(),
+        }})
+    return {"vectors": vectors, "phase": phase}
+
+
+def completion_body(
+    model: str, prompt: Sequence[int], max_tokens: int, **extra: Any
+) -> dict[str, Any]:
+    return {
+        "model": model, "prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0.0,
+        "logprobs": 0, "ignore_eos": True, "return_tokens_as_token_ids": True, **extra,
+    }
+
+
+def parse_completion(doc: Mapping[str, Any]) -> Generation:
+    lp = doc["choices"][0]["logprobs"]
+    tokens = [int(t.split(":", 1)[1]) for t in lp["tokens"]]
+    return Generation(tokens, [float(x) for x in lp["token_logprobs"]])
+
+
+def max_abs_diff(a: Sequence[float], b: Sequence[float]) -> float:
+    return float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) if len(a) else 0.0

@@ -1,0 +1,115 @@
+"""Steered greedy decoding on the real vLLM CPU engine (default compile mode, over
+HTTP through the public ``steering`` field) equals a float32 ``transformers``
+reference with the vectors added by forward hooks at the same points."""
+
+from __future__ import annotations
+
+import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.engine.hf_reference import (
+    Generation,
+    completion_body,
+    max_abs_diff,
+    parse_completion,
+    reference,
+    steering_field,
+)
+from tests.harness import EngineProcess
+
+pytestmark = pytest.mark.engine
+
+TOL = 1e-3
+HIDDEN = 128
+PROMPT = [int(x) for x in np.random.default_rng(7).integers(10, 600, 14)]
+
+
+def _vec(seed: int, norm: float = 6.0) -> np.ndarray:
+    v = np.random.default_rng(seed).normal(size=HIDDEN).astype(np.float32)
+    return (v / np.linalg.norm(v) * norm).astype(np.float32)
+
+
+def _complete(engine: EngineProcess, sites=None, phase: str = "all", max_tokens: int = 10,
+              prompt: list[int] = PROMPT) -> Generation:
+    body = completion_body(str(engine.model), prompt, max_tokens)
+    if sites:
+        body["steering"] = steering_field(sites, phase)
+    r = httpx.post(f"{engine.url}/v1/completions", json=body, headers=engine.headers, timeout=300)
+    assert r.status_code == 200, r.text
+    return parse_completion(r.json())
+
+
+def _assert_matches(got: Generation, want: Generation) -> None:
+    assert got.tokens == want.tokens
+    assert max_abs_diff(got.logprobs, want.logprobs) <= TOL
+
+
+@pytest.fixture(scope="module")
+def unsteered(f32_engine: EngineProcess, tiny_model: Path) -> Generation:
+    got = _complete(f32_engine)
+    _assert_matches(got, reference(tiny_model, PROMPT, None, max_tokens=10))
+    return got
+
+
+def test_unsteered_request_matches_reference(unsteered: Generation, tiny_model: Path) -> None:
+    want = reference(tiny_model, PROMPT, None, max_tokens=10)
+    assert unsteered.tokens == want.tokens
+    assert max_abs_diff(unsteered.logprobs, want.logprobs) <= 1e-4
+
+
+@pytest.mark.parametrize("phase", ["all", "prefill", "decode"])
+@pytest.mark.parametrize("hook", ["pre_attn", "post_attn", "post_block"])
+def test_steered_request_matches_reference(
+    f32_engine: EngineProcess, tiny_model: Path, unsteered: Generation, hook: str, phase: str
+) -> None:
+    sites = {(hook, 1): _vec(11), (hook, 3): _vec(12, norm=3.0)}
+    got = _complete(f32_engine, sites, phase)
+    want = reference(tiny_model, PROMPT, sites, phase, max_tokens=10)
+    _assert_matches(got, want)
+    assert got.tokens != unsteered.tokens  # the steering is strong enough to show
+    if phase == "decode":  # the first token comes from the (unsteered) prompt
+        assert got.tokens[0] == unsteered.tokens[0]
+
+
+def test_layer0_pre_attn_steers_the_embeddings(
+    f32_engine: EngineProcess, tiny_model: Path, unsteered: Generation
+) -> None:
+    sites = {("pre_attn", 0): _vec(21)}
+    got = _complete(f32_engine, sites)
+    _assert_matches(got, reference(tiny_model, PROMPT, sites, max_tokens=10))
+    assert got.tokens != unsteered.tokens
+
+
+def _iteration_buckets(engine: EngineProcess) -> dict[str, float]:
+    text = httpx.get(f"{engine.url}/metrics", headers=engine.headers, timeout=30).text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(
+        r'^vllm:iteration_tokens_total_bucket\{[^}]*le="([^"]+)"[^}]*\} (\S+)$', text, re.M)}
+
+
+def test_three_differently_steered_requests_in_one_batch_each_match_their_reference(
+    f32_engine: EngineProcess, tiny_model: Path
+) -> None:
+    a = {("post_block", 2): _vec(31), ("pre_attn", 1): _vec(32, norm=2.0)}
+    b = {("post_attn", 0): _vec(33)}
+    cases = [(None, "all"), (a, "all"), (b, "decode")]
+    n = 32
+    alone = [_complete(f32_engine, s, p, n) for s, p in cases]
+    before = _iteration_buckets(f32_engine)
+    with ThreadPoolExecutor(len(cases)) as pool:
+        batched = list(pool.map(lambda c: _complete(f32_engine, c[0], c[1], n), cases))
+    after = _iteration_buckets(f32_engine)
+    # Prompts are 14 tokens, so an engine step with 2..8 tokens is several requests
+    # decoding together: the three really shared batches.
+    shared_steps = (after["8.0"] - after["1.0"]) - (before["8.0"] - before["1.0"])
+    assert shared_steps >= n // 2
+    for (sites, phase), got, solo in zip(cases, batched, alone, strict=True):
+        _assert_matches(got, reference(tiny_model, PROMPT, sites, phase, max_tokens=n))
+        assert got.tokens == solo.tokens  # batching does not change any answer
+    unsteered, steered_a, steered_b = batched
+    assert steered_a.tokens != unsteered.tokens and steered_b.tokens != unsteered.tokens
+    assert unsteered.logprobs == alone[0].logprobs  # exactly plain vLLM's answer

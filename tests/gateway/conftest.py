@@ -1,0 +1,96 @@
+"""Gateway test fixtures: a fake engine and gateways (each under uvicorn in a thread)
+sharing the session's real redis-server, plus tenants and keys made directly in the
+data layer."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from gateway.app import create_app
+from gateway.tenants import TenantStore
+from shared.settings import GatewaySettings
+from tests.gateway.fake_engine import EngineState, make_engine
+from tests.gateway.servers import ServerThread
+
+ENGINE_TOKEN = "fake-engine-token"
+PEPPER = "gateway-test-pepper"
+ADMIN_KEY = "admin-test-key-0123456789"
+
+
+@dataclass
+class FakeEngine:
+    state: EngineState
+    server: ServerThread
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+
+@pytest.fixture()
+def fake_engine() -> Iterator[FakeEngine]:
+    state = EngineState(token=ENGINE_TOKEN)
+    server = ServerThread(make_engine(state)).start()
+    yield FakeEngine(state, server)
+    server.stop()
+
+
+def gateway_settings(redis_url: str | None, engine_urls: str, **kw: Any) -> GatewaySettings:
+    kw.setdefault("engine_token", ENGINE_TOKEN)
+    return GatewaySettings(
+        redis_url=redis_url, engine_urls=engine_urls, admin_key=ADMIN_KEY, key_pepper=PEPPER, **kw
+    )
+
+
+@pytest.fixture()
+def start_gateway(redis_url: str, fake_engine: FakeEngine) -> Iterator[Callable[..., ServerThread]]:
+    started: list[ServerThread] = []
+
+    def start(**kw: Any) -> ServerThread:
+        engine_urls = kw.pop("engine_urls", fake_engine.url)
+        url = kw.pop("redis_url", redis_url)
+        app = create_app(gateway_settings(url, engine_urls, **kw))
+        server = ServerThread(app).start()
+        started.append(server)
+        return server
+
+    yield start
+    for s in started:
+        s.stop()
+
+
+@pytest.fixture()
+def gateway(start_gateway: Callable[..., ServerThread]) -> ServerThread:
+    return start_gateway()
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def make_tenant(redis_url: str, tenant_id: str, **limits: Any) -> str:
+    """Create a tenant with ``limits`` (overcommit allowed) and return a fresh key."""
+
+    async def go() -> str:
+        client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+        try:
+            store = TenantStore(client, PEPPER)
+            await store.create(tenant_id, limits=limits, allow_overcommit=True)
+            return (await store.create_key(tenant_id))[1]
+        finally:
+            await client.aclose()
+
+    return run(go())
+
+
+@pytest.fixture()
+def captured_logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    caplog.set_level(logging.DEBUG)
+    return caplog

@@ -1,0 +1,120 @@
+"""The gateway in front of the real vLLM CPU engine (tiny model): the official
+``openai`` client, stream and not, latch + bridge, and tenant isolation."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from gateway.app import create_app
+from tests.gateway.conftest import gateway_settings, make_tenant
+from tests.gateway.servers import ServerThread
+from tests.harness import EngineProcess
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture()
+def real_gateway(engine: EngineProcess, redis_url: str) -> Iterator[ServerThread]:
+    server = ServerThread(
+        create_app(gateway_settings(redis_url, engine.url, engine_token=engine.token))
+    ).start()
+    yield server
+    server.stop()
+
+
+def _hidden(engine: EngineProcess) -> int:
+    return int(
+        httpx.get(engine.url + "/v1/steering/info", headers=engine.headers).json()["hidden_size"]
+    )
+
+
+def test_openai_client_through_gateway_stream_and_not(
+    real_gateway: ServerThread, redis_url: str
+) -> None:
+    key = make_tenant(redis_url, "a")
+    client = openai.OpenAI(base_url=real_gateway.url + "/v1", api_key=key)
+    model = client.models.list().data[0].id
+    r = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+    )
+    assert r.choices[0].message is not None and r.usage is not None
+    c = client.completions.create(model=model, prompt="hello", max_tokens=4)
+    assert c.choices[0].text is not None
+    chunks = list(
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True
+        )
+    )
+    assert chunks and all(ch.usage is None for ch in chunks)
+    chunks = list(
+        client.completions.create(
+            model=model,
+            prompt="hello",
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
+
+
+def test_latch_bridge_and_isolation_through_gateway(
+    real_gateway: ServerThread, engine: EngineProcess, redis_url: str
+) -> None:
+    ka, kb = make_tenant(redis_url, "a"), make_tenant(redis_url, "b")
+    hidden = _hidden(engine)
+    ha, hb = {"Authorization": f"Bearer {ka}"}, {"Authorization": f"Bearer {kb}"}
+    put = httpx.put(
+        real_gateway.url + "/v1/steering/vectors/calm",
+        headers=ha,
+        json={"hook": "post_block", "layers": {"1": [0.05] * hidden}},
+    )
+    assert put.status_code == 201, put.text
+    model = httpx.get(real_gateway.url + "/v1/models", headers=ha).json()["data"][0]["id"]
+
+    def chat(h: dict[str, str], **extra: Any) -> httpx.Response:
+        return httpx.post(
+            real_gateway.url + "/v1/chat/completions",
+            headers=h,
+            timeout=120,
+            json={
+                "model": model,
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 3,
+                **extra,
+            },
+        )
+
+    r = chat(
+        ha,
+        conversation_id="conv",
+        steering={"vectors": [{"name": "calm", "scale": 2.0}], "latch": True},
+    )
+    assert r.status_code == 200, r.text
+    assert r.headers["x-steering-latch"] == "latched" and r.json()["steering"]["latch"] == "latched"
+    assert "a~" not in r.text
+    r = chat(ha, conversation_id="conv")
+    assert r.headers["x-steering-latch"] == "bridged"
+    # b: same conversation id and vector name, nothing of a's
+    assert chat(hb, conversation_id="conv").headers["x-steering-latch"] == "none"
+    r = chat(hb, steering={"vectors": [{"name": "calm"}]})
+    assert r.status_code == 400 and "a~" not in r.text and "b~" not in r.text
+    assert httpx.get(real_gateway.url + "/v1/steering/latches", headers=hb).json() == []
+    la = httpx.get(real_gateway.url + "/v1/steering/latches", headers=ha).json()
+    assert [x["conversation_id"] for x in la] == ["conv"] and la[0]["kind"] == "ref"
+    on_engine = httpx.get(
+        engine.url + "/v1/steering/latches", params={"prefix": "a~"}, headers=engine.headers
+    ).json()
+    assert [x["conversation_id"] for x in on_engine] == ["a~conv"]
+    assert (
+        httpx.delete(real_gateway.url + "/v1/steering/latches/conv", headers=hb).status_code == 404
+    )
+    assert (
+        httpx.delete(real_gateway.url + "/v1/steering/latches/conv", headers=ha).status_code == 204
+    )
+    assert chat(ha, conversation_id="conv").headers["x-steering-latch"] == "none"

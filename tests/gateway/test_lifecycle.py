@@ -1,0 +1,105 @@
+"""Lifecycle behaviour: the embedded store, client disconnects, engine restarts
+(reconciliation), and what reaches the logs."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+import redis
+
+from gateway.app import create_app
+from tests.gateway.conftest import FakeEngine, gateway_settings, make_tenant
+from tests.gateway.servers import ServerThread
+from tests.gateway.test_request_path import CHAT, chat_body, inline, post
+
+
+def test_embedded_store_serves_requests_with_the_same_scripts(
+    fake_engine: FakeEngine, captured_logs: Any
+) -> None:
+    app = create_app(gateway_settings(None, fake_engine.url))
+    server = ServerThread(app).start()
+    try:
+        store = app.state.tenants
+
+        async def mk() -> str:
+            await store.create("acme", limits={"rpm": 3})
+            return (await store.create_key("acme"))[1]
+
+        key = server.call(mk())
+        codes = [
+            post(server, key, chat_body(conversation_id="c", steering=inline(True))).status_code
+            for _ in range(4)
+        ]
+        assert codes == [200, 200, 200, 429]
+        assert "EMBEDDED in-process store" in captured_logs.text
+    finally:
+        server.stop()
+
+
+def test_client_disconnect_mid_stream_releases_the_lease(
+    gateway: ServerThread, redis_url: str
+) -> None:
+    key = make_tenant(redis_url, "acme", max_concurrency=1)
+    with httpx.stream(
+        "POST",
+        gateway.url + CHAT,
+        json=chat_body(stream=True, fake_delay=0),
+        headers={"Authorization": f"Bearer {key}"},
+    ) as r:
+        assert r.status_code == 200
+        next(r.iter_raw())  # first chunk arrived; now hang up
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    deadline = time.monotonic() + 2
+    while client.zcard("sg:{t:acme}:leases"):
+        assert time.monotonic() < deadline, "lease not released after disconnect"
+        time.sleep(0.02)
+    assert post(gateway, key, chat_body()).status_code == 200
+
+
+def test_engine_restart_reconciles_latch_accounting(
+    gateway: ServerThread, fake_engine: FakeEngine, redis_url: str
+) -> None:
+    key = make_tenant(redis_url, "acme")
+    for c in ("c1", "c2"):
+        assert (
+            post(gateway, key, chat_body(conversation_id=c, steering=inline(True))).status_code
+            == 200
+        )
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    time.sleep(0.1)
+    assert client.zcard("sg:{t:acme}:latches") == 2
+    # the engine "restarts": latches gone, new epoch; an orphan the gateway never admitted
+    fake_engine.state.latches = {"acme~ghost": {"bytes": 32, "kind": "value", "last_used": 0}}
+    fake_engine.state.epoch = "new"
+    svc = gateway.app.state.services
+    svc.reconciler.grace_ms = 0
+    gateway.call(svc.pool.refresh())
+    assert client.zcard("sg:{t:acme}:latches") == 0
+    assert int(client.get("sg:{t:acme}:latch:bytes")) == 0
+    assert "acme~ghost" not in fake_engine.state.latches
+
+
+def test_plain_turn_not_bridged_stops_counting_the_latch(
+    gateway: ServerThread, fake_engine: FakeEngine, redis_url: str
+) -> None:
+    key = make_tenant(redis_url, "acme")
+    assert (
+        post(gateway, key, chat_body(conversation_id="c", steering=inline(True))).status_code == 200
+    )
+    fake_engine.state.latches.clear()  # the engine evicted it on its own
+    assert post(gateway, key, chat_body(conversation_id="c")).headers["x-steering-latch"] == "none"
+    time.sleep(0.1)
+    assert redis.Redis.from_url(redis_url).zcard("sg:{t:acme}:latches") == 0
+
+
+def test_logs_hold_no_keys_and_no_scoped_ids(
+    gateway: ServerThread, redis_url: str, captured_logs: Any
+) -> None:
+    key = make_tenant(redis_url, "acme")
+    post(gateway, key, chat_body(conversation_id="c9", steering=inline(True)))
+    post(gateway, key, chat_body(steering={"vectors": [{"name": "missing"}]}))
+    post(gateway, key + "x", chat_body())
+    text = captured_logs.text
+    assert key[6:] not in text and "acme~" not in text

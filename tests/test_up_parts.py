@@ -1,0 +1,154 @@
+"""The pieces of ``steergate up`` that need no engine: process-group shutdown, the
+tiny-model cache, secrets, the demo vector and the printed curl command."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+
+from gateway import up
+from shared.settings import GatewaySettings
+
+# A leader that starts two grandchildren, one of which ignores SIGTERM (as a
+# wedged vLLM worker might), then waits.
+TREE = """
+import signal, subprocess, sys, time
+stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+subprocess.Popen([sys.executable, "-c", stubborn])
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def _spawn_tree() -> tuple[subprocess.Popen[bytes], list[psutil.Process]]:
+    proc = subprocess.Popen([sys.executable, "-c", TREE], stdout=subprocess.PIPE,
+                            start_new_session=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+    deadline = time.monotonic() + 10
+    members: list[psutil.Process] = []
+    while time.monotonic() < deadline:
+        members = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        if len(members) == 3:
+            break
+        time.sleep(0.05)
+    assert len(members) == 3
+    return proc, members
+
+
+def _gone(p: psutil.Process) -> bool:
+    try:
+        return p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_stop_process_group_leaves_no_member_alive_even_one_ignoring_sigterm() -> None:
+    proc, members = _spawn_tree()
+    started = time.monotonic()
+    up.stop_process_group(proc, grace_s=1.0)
+    assert time.monotonic() - started < 10
+    assert all(_gone(p) for p in members)
+    assert proc.returncode is not None
+
+
+def test_ensure_tiny_model_generates_once_then_reuses(tmp_path: Path) -> None:
+    calls: list[Path] = []
+
+    def fake_generate(path: Path) -> None:
+        calls.append(path)
+        path.mkdir(parents=True)
+        (path / "config.json").write_text("{}")
+
+    target = tmp_path / "home" / "tiny-model"
+    assert up.ensure_tiny_model(target, fake_generate) == target
+    assert up.ensure_tiny_model(target, fake_generate) == target
+    assert len(calls) == 1 and calls[0] != target  # written aside, then renamed into place
+    assert (target / "config.json").exists()
+    assert [p.name for p in target.parent.iterdir()] == ["tiny-model"]
+
+
+def test_ensure_tiny_model_leaves_nothing_when_generation_fails(tmp_path: Path) -> None:
+    def broken(path: Path) -> None:
+        path.mkdir(parents=True)
+        raise subprocess.CalledProcessError(1, "tiny-model")
+
+    with pytest.raises(subprocess.CalledProcessError):
+        up.ensure_tiny_model(tmp_path / "tiny-model", broken)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_secrets_come_from_env_when_set_and_are_random_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in ("STEERGATE_ENGINE_TOKEN", "STEERGATE_ADMIN_KEY", "STEERGATE_KEY_PEPPER"):
+        monkeypatch.delenv(name, raising=False)
+    a, b = up.resolve_secrets(GatewaySettings()), up.resolve_secrets(GatewaySettings())
+    assert a.engine_token != b.engine_token and a.admin_key != b.admin_key
+    assert a.key_pepper != b.key_pepper and len(a.key_pepper) >= 43  # 256 bits, base64url
+    assert set(a.generated) == {
+        "STEERGATE_ENGINE_TOKEN", "STEERGATE_ADMIN_KEY", "STEERGATE_KEY_PEPPER"}
+
+    monkeypatch.setenv("STEERGATE_ADMIN_KEY", "my-admin-key")
+    c = up.resolve_secrets(GatewaySettings())
+    assert c.admin_key == "my-admin-key" and "STEERGATE_ADMIN_KEY" not in c.generated
+
+
+def test_demo_vector_is_deterministic_unit_norm_and_sized_to_the_model() -> None:
+    v = up.demo_vector(128)
+    assert v == up.demo_vector(128) and len(v) == 128
+    assert np.linalg.norm(v) == pytest.approx(1.0, rel=1e-5)
+    assert v != up.demo_vector(128, name="other")
+
+
+def test_curl_command_is_one_shell_command_that_steers_with_the_named_vector_and_latches() -> None:
+    cmd = up.curl_command("http://127.0.0.1:8080", "sk-sg-abc", "/models/it's tiny")
+    argv = shlex.split(cmd.replace("\\\n", " "))
+    assert argv[:4] == ["curl", "-sS", "-i", "http://127.0.0.1:8080/v1/chat/completions"]
+    assert argv[argv.index("-H") + 1] == "Authorization: Bearer sk-sg-abc"
+    body = json.loads(argv[argv.index("-d") + 1])
+    assert body["model"] == "/models/it's tiny"
+    assert body["conversation_id"] == up.DEMO_CONVERSATION
+    assert body["steering"] == {"vectors": [{"name": "calm", "scale": 4}], "latch": True}
+
+
+def test_unknown_up_flags_are_passed_to_the_engine() -> None:
+    args, engine_args = up._parse(["--model", "org/m", "--port", "9000", "--max-model-len", "4096"])
+    assert (args.model, args.port) == ("org/m", 9000)
+    assert engine_args == ["--max-model-len", "4096"]
+
+
+def test_wait_ready_reports_an_engine_that_exits_while_starting(tmp_path: Path) -> None:
+    engine = up.Engine(model="m", port=up.free_port(), token="t", log_path=tmp_path / "engine.log")
+    engine.proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    engine.proc.wait(10)
+    with pytest.raises(up.EngineFailed, match=r"exited with status 3.*engine\.log"):
+        engine.wait_ready(30, up.Progress("test", stream=io.StringIO()))
+
+
+def test_up_refuses_a_taken_port_before_starting_the_engine(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        out = subprocess.run(
+            [sys.executable, "-m", "shared.cli", "up", "--port", str(port)],
+            capture_output=True, text=True, timeout=60,
+            env={**os.environ, "STEERGATE_HOME": str(tmp_path)},
+        )
+    assert out.returncode == 1
+    assert f"127.0.0.1:{port} is in use" in out.stderr
+    assert time.monotonic() - started < 30
+    assert list(tmp_path.iterdir()) == []  # no model generated, no engine log
