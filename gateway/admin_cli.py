@@ -14,14 +14,21 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
-from datetime import datetime, timezone
 from typing import Any
 
 import httpx
 from rich.console import Console
 from rich.table import Table
 
-from gateway.units import format_bytes, format_percent, parse_bytes
+from gateway.admin_tables import (
+    capacity_table,
+    key_table,
+    print_tenant_usage,
+    show_tenant,
+    tenant_table,
+    usage_table,
+)
+from gateway.units import parse_bytes
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 LIMIT_FLAGS: dict[str, tuple[str, Callable[[str], int | str]]] = {
@@ -35,17 +42,6 @@ LIMIT_FLAGS: dict[str, tuple[str, Callable[[str], int | str]]] = {
     "--vector-bytes": ("vector_bytes", parse_bytes),
     "--latch-policy": ("latch_policy", str),
 }
-QUOTAS: tuple[tuple[str, str, bool], ...] = (
-    # usage key, column title, is a byte quantity
-    ("requests_per_minute", "req/min", False),
-    ("tokens_per_minute", "tok/min", False),
-    ("concurrency", "concurrent", False),
-    ("latch_count", "latches", False),
-    ("latch_bytes", "latch bytes", True),
-    ("vector_count", "vectors", False),
-    ("vector_bytes", "vector bytes", True),
-)
-SPARK = " ▁▂▃▄▅▆▇█"
 
 
 class CLIError(Exception):
@@ -229,10 +225,10 @@ def _tenant_action(client: AdminClient, args: argparse.Namespace, out: Console) 
         if args.allow_overcommit:
             body["allow_overcommit"] = True
         tenant = client.call("POST", "/admin/tenants", json=body)
-        _emit(out, args, tenant, lambda: _tenant_table([tenant], f"created tenant {args.id}"))
+        _emit(out, args, tenant, lambda: tenant_table([tenant], f"created tenant {args.id}"))
     elif args.action == "list":
         tenants = _tenants_of(client.call("GET", "/admin/tenants"))
-        _emit(out, args, tenants, lambda: _tenant_table(tenants, "tenants"))
+        _emit(out, args, tenants, lambda: tenant_table(tenants, "tenants"))
     elif args.action == "show":
         tenant = client.call("GET", f"/admin/tenants/{args.id}")
         keys = _keys_of(client.call("GET", f"/admin/tenants/{args.id}/keys"))
@@ -242,7 +238,7 @@ def _tenant_action(client: AdminClient, args: argparse.Namespace, out: Console) 
                 data={"tenant": tenant, "keys": keys, "usage": usage[0] if usage else None}
             )
         else:
-            _show_tenant(out, tenant, keys, usage)
+            show_tenant(out, tenant, keys, usage)
     elif args.action == "update":
         body = {"limits": _limits_from(args)} if _limits_from(args) else {}
         if args.name is not None:
@@ -252,7 +248,7 @@ def _tenant_action(client: AdminClient, args: argparse.Namespace, out: Console) 
         if not body:
             raise CLIError("nothing to update: pass --name or a limit flag", exit_code=2)
         tenant = client.call("PATCH", f"/admin/tenants/{args.id}", json=body)
-        _emit(out, args, tenant, lambda: _tenant_table([tenant], f"updated tenant {args.id}"))
+        _emit(out, args, tenant, lambda: tenant_table([tenant], f"updated tenant {args.id}"))
     elif args.action == "delete":
         _confirm(args.yes, f"delete tenant {args.id!r} with its keys, latches and vectors?")
         client.call("DELETE", f"/admin/tenants/{args.id}")
@@ -273,7 +269,7 @@ def _key_action(client: AdminClient, args: argparse.Namespace, out: Console) -> 
         out.print(created["key"], markup=False, soft_wrap=True)
     elif args.action == "list":
         keys = _keys_of(client.call("GET", f"/admin/tenants/{args.tenant}/keys"))
-        _emit(out, args, keys, lambda: _key_table(keys, f"keys of {args.tenant}"))
+        _emit(out, args, keys, lambda: key_table(keys, f"keys of {args.tenant}"))
     elif args.action == "revoke":
         client.call("DELETE", f"/admin/keys/{args.key_id}")
         _emit(out, args, {"revoked": args.key_id}, lambda: f"revoked key {args.key_id}")
@@ -288,15 +284,15 @@ def _usage_action(client: AdminClient, args: argparse.Namespace, out: Console) -
     if args.json:
         out.print_json(data=doc)
     elif args.tenant:
-        _print_tenant_usage(out, rows[0])
+        print_tenant_usage(out, rows[0])
     else:
-        out.print(_usage_table(rows))
+        out.print(usage_table(rows))
         capacity = doc.get("capacity") if isinstance(doc, dict) else None
         if capacity:
-            out.print(_capacity_table(capacity))
+            out.print(capacity_table(capacity))
 
 
-# ---------------------------------------------------------------------------- rendering
+# ---------------------------------------------------------------------------- output
 
 
 def _emit(
@@ -331,150 +327,6 @@ def _keys_of(doc: Any) -> list[dict[str, Any]]:
 
 def _usage_of(doc: Any) -> list[dict[str, Any]]:
     return list(doc.get("tenants", []) if isinstance(doc, dict) else doc or [])
-
-
-def _n(value: Any) -> str:
-    return "-" if value is None else f"{value:,}" if isinstance(value, int) else str(value)
-
-
-def _tenant_table(tenants: list[dict[str, Any]], title: str) -> Table:
-    table = Table(title=title, title_justify="left")
-    for col in (
-        "id",
-        "name",
-        "rpm",
-        "tpm",
-        "conc",
-        "latches",
-        "latch bytes",
-        "vectors",
-        "vector bytes",
-        "latch policy",
-    ):
-        table.add_column(col, no_wrap=col in ("id", "latch policy"))
-    for t in tenants:
-        lim = t.get("limits", {})
-        table.add_row(
-            str(t.get("id")),
-            str(t.get("name") or ""),
-            _n(lim.get("rpm")),
-            _n(lim.get("tpm")),
-            _n(lim.get("max_concurrency")),
-            _n(lim.get("latch_count")),
-            format_bytes(lim.get("latch_bytes")),
-            _n(lim.get("vector_count")),
-            format_bytes(lim.get("vector_bytes")),
-            str(lim.get("latch_policy", "-")),
-        )
-    return table
-
-
-def _key_table(keys: list[dict[str, Any]], title: str) -> Table:
-    table = Table(title=title, title_justify="left")
-    for col in ("key id", "key", "created"):
-        table.add_column(col, no_wrap=True)
-    for k in keys:
-        # Only the display prefix exists server-side; show it masked like OpenAI does.
-        table.add_row(str(k.get("key_id")), f"{k.get('prefix', '')}…", _when(k.get("created_at")))
-    return table
-
-
-def _when(ts: Any) -> str:
-    if not isinstance(ts, (int, float)):
-        return "-"
-    return datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
-
-
-def _cell(quota: dict[str, Any] | None, is_bytes: bool) -> str:
-    if not quota:
-        return "-"
-    fmt = format_bytes if is_bytes else _n
-    used, limit = quota.get("used", 0), quota.get("limit")
-    return f"{format_percent(used, limit)} {fmt(used)}/{fmt(limit)}"
-
-
-def _usage_table(rows: list[dict[str, Any]]) -> Table:
-    table = Table(title="usage: percent of limit, used/limit", title_justify="left")
-    table.add_column("tenant", no_wrap=True)
-    for _, title, _ in QUOTAS:
-        table.add_column(title)
-    for col in ("2xx", "4xx", "429", "5xx"):
-        table.add_column(col, justify="right")
-    for row in rows:
-        quotas = row.get("quotas", {})
-        responses = row.get("responses", {})
-        table.add_row(
-            str(row.get("tenant_id")),
-            *(_cell(quotas.get(key), is_bytes) for key, _, is_bytes in QUOTAS),
-            *(_n(responses.get(c, 0)) for c in ("2xx", "4xx", "429", "5xx")),
-        )
-    return table
-
-
-def _capacity_table(capacity: dict[str, Any]) -> Table:
-    table = Table(title="latch capacity: sum of tenant quotas vs engine caps", title_justify="left")
-    for col in ("resource", "sum of quotas", "engine cap", "state"):
-        table.add_column(col)
-    for resource, info in capacity.items():
-        fmt = format_bytes if resource.endswith("bytes") else _n
-        table.add_row(
-            resource,
-            fmt(info.get("allocated")),
-            fmt(info.get("engine_cap")),
-            "OVERCOMMITTED" if info.get("overcommitted") else "ok",
-        )
-    return table
-
-
-def sparkline(values: Sequence[int]) -> str:
-    """One character per minute, scaled to the busiest minute."""
-    peak = max(values, default=0)
-    if peak <= 0:
-        return SPARK[0] * len(values)
-    return "".join(SPARK[min(len(SPARK) - 1, round(v / peak * (len(SPARK) - 1)))] for v in values)
-
-
-def _print_tenant_usage(out: Console, row: dict[str, Any]) -> None:
-    table = Table(title=f"usage of {row.get('tenant_id')}", title_justify="left")
-    for col in ("quota", "used", "limit", "use"):
-        table.add_column(col, justify="left" if col == "quota" else "right")
-    quotas = row.get("quotas", {})
-    for key, title, is_bytes in QUOTAS:
-        q = quotas.get(key) or {}
-        fmt = format_bytes if is_bytes else _n
-        table.add_row(
-            title,
-            fmt(q.get("used", 0)),
-            fmt(q.get("limit")),
-            format_percent(q.get("used", 0), q.get("limit")),
-        )
-    out.print(table)
-    minutes = row.get("window_minutes", 60)
-    responses = row.get("responses", {})
-    out.print(
-        f"responses, last {minutes} min: "
-        + "  ".join(f"{c} {_n(responses.get(c, 0))}" for c in ("2xx", "4xx", "429", "5xx")),
-        markup=False,
-    )
-    rejections = row.get("rejections", {})
-    if rejections:
-        out.print(
-            "429s by cause: " + "  ".join(f"{k} {_n(v)}" for k, v in rejections.items()),
-            markup=False,
-        )
-    history = row.get("history") or []
-    if history:
-        spark = sparkline([h.get("requests", 0) for h in history])
-        out.print(f"requests/min, last {len(history)} min: {spark}", markup=False)
-
-
-def _show_tenant(
-    out: Console, tenant: dict[str, Any], keys: list[dict[str, Any]], usage: list[dict[str, Any]]
-) -> None:
-    out.print(_tenant_table([tenant], f"tenant {tenant.get('id')}"))
-    out.print(_key_table(keys, "keys"))
-    if usage:
-        _print_tenant_usage(out, usage[0])
 
 
 def main(argv: Sequence[str] | None = None) -> int:  # pragma: no cover - convenience

@@ -230,13 +230,18 @@ class Metrics:
 
     # -- called by MetricsMiddleware ----------------------------------------------
 
-    def observe_request(self, tenant_id: str, route: str, status: int, seconds: float) -> None:
-        """One finished request. ``route`` is the route template
-        (``/v1/steering/latches/{conversation_id}``), never a path with ids in it."""
+    def observe_request(
+        self, tenant_id: str, route: str, status: int, seconds: float | None
+    ) -> None:
+        """One answered request. ``route`` is the route template
+        (``/v1/steering/latches/{conversation_id}``), never a path with ids in it.
+        ``seconds`` is None when the response never finished (client gone, stream
+        broken): counted, but kept out of the latency histogram."""
         self._remember(tenant_id, "requests", (tenant_id, route, str(status)))
-        self._remember(tenant_id, "latency", (tenant_id, route))
         self.requests.labels(tenant_id, route, str(status)).inc()
-        self.latency.labels(tenant_id, route).observe(max(0.0, seconds))
+        if seconds is not None:
+            self._remember(tenant_id, "latency", (tenant_id, route))
+            self.latency.labels(tenant_id, route).observe(max(0.0, seconds))
 
     def observe_rejection(self, tenant_id: str, cause: str) -> None:
         """One 429; ``cause`` is its error code (``rate_limit_exceeded``, ...)."""
@@ -319,6 +324,10 @@ class MetricsMiddleware:
 
         try:
             await self.app(scope, receive, observing_send)
+        except Exception:
+            # Unhandled: the server-error middleware outside this one answers 500.
+            status = status or 500
+            raise
         finally:
             tenant_id = (scope.get("state") or {}).get("tenant_id")
             if tenant_id and status:
@@ -341,7 +350,7 @@ class MetricsMiddleware:
         seconds: float | None,
     ) -> None:
         route = getattr(scope.get("route"), "path", None) or "unmatched"
-        self.metrics.observe_request(tenant_id, route, status, seconds or 0.0)
+        self.metrics.observe_request(tenant_id, route, status, seconds)
         if latch_state and latch_state != "none":
             self.metrics.observe_latch(tenant_id, latch_state)
         if status == 429:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BaseModel
 
@@ -38,7 +39,21 @@ class CapacityUse(BaseModel):
     overcommitted: bool
 
 
+def display_url(url: str) -> str:
+    """An engine URL without any ``user:password@`` part: it is shown on admin pages
+    and becomes a metric label, neither of which may carry a credential."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
+
+
 async def _status(pool: EnginePool, engine: Engine, timeout_s: float) -> EngineStatus:
+    status = await _ask(pool, engine, timeout_s)
+    return status.model_copy(update={"url": display_url(engine.url)})
+
+
+async def _ask(pool: EnginePool, engine: Engine, timeout_s: float) -> EngineStatus:
     try:
         r = await asyncio.wait_for(
             pool.request("GET", "/v1/steering/status", engine=engine), timeout_s

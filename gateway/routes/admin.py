@@ -16,12 +16,13 @@ from typing import Any
 import orjson
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, Field
 
 from gateway import usage
 from gateway.auth import require_admin
 from gateway.deps import get_services
 from gateway.overview import capacity, engine_statuses
-from gateway.tenants import Tenant, TenantStore
+from gateway.tenants import Limits, Tenant, TenantStore
 from gateway.upstream import EnginePool, UpstreamResponse
 from shared.errors import APIError, InvalidField
 from shared.scoping import check_tenant_id, tenant_prefix
@@ -32,6 +33,47 @@ router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(requir
 
 CREATE_FIELDS = {"id", "name", "limits", "allow_overcommit"}
 MAX_NAME = 200
+
+
+class TenantCreateBody(BaseModel):
+    """``POST /admin/tenants`` (documentation only: bodies are parsed by hand below)."""
+
+    id: str = Field(description="1-32 characters of [a-z0-9-]")
+    name: str = Field(default="", max_length=MAX_NAME)
+    limits: Limits = Field(default_factory=Limits, description="omitted fields take defaults")
+    allow_overcommit: bool = False
+
+
+class TenantPatchBody(BaseModel):
+    """``PATCH /admin/tenants/{id}``: every field optional; ``limits`` may be partial."""
+
+    name: str | None = Field(default=None, max_length=MAX_NAME)
+    limits: dict[str, Any] | None = Field(default=None, description="a subset of Limits")
+    allow_overcommit: bool | None = None
+
+
+def _body_doc(model: type[BaseModel]) -> dict[str, Any]:
+    """An inline OpenAPI request body for ``model`` ($defs resolved in place, since
+    the schema is not registered under components)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return inline(defs[ref.rsplit("/", 1)[1]])
+            return {k: inline(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": inline(schema)}},
+        }
+    }
 
 
 def _store(request: Request) -> TenantStore:
@@ -73,7 +115,7 @@ def _public(tenant: Tenant) -> dict[str, Any]:
 # ------------------------------------------------------------------------- tenants
 
 
-@router.post("/tenants", status_code=201)
+@router.post("/tenants", status_code=201, openapi_extra=_body_doc(TenantCreateBody))
 async def create_tenant(request: Request) -> JSONResponse:
     body = await _json_object(request)
     for field in body:
@@ -103,7 +145,7 @@ async def get_tenant(tenant_id: str, request: Request) -> dict[str, Any]:
     return _public(await _store(request).require(tenant_id))
 
 
-@router.patch("/tenants/{tenant_id}")
+@router.patch("/tenants/{tenant_id}", openapi_extra=_body_doc(TenantPatchBody))
 async def update_tenant(tenant_id: str, request: Request) -> dict[str, Any]:
     body = await _json_object(request)
     _check_common(body)
@@ -135,7 +177,7 @@ async def _sweep_engines(pool: EnginePool, tenant_id: str) -> None:
     Best effort: an unreachable engine loses its latches on restart anyway."""
     prefix = tenant_prefix(tenant_id)
     listed = await pool.broadcast("GET", f"/v1/steering/latches?prefix={prefix}")
-    vectors = await pool.broadcast("GET", "/v1/steering/vectors")
+    vectors = await pool.broadcast("GET", f"/v1/steering/vectors?prefix={prefix}")
     deletes: list[str] = []
     for r in listed:
         for row in _rows(r, "latches"):

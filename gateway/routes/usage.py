@@ -15,7 +15,7 @@ from gateway.deps import ServicesDep
 router = APIRouter(tags=["usage"])
 
 
-@router.get("/v1/usage")
+@router.get("/v1/usage", responses={200: {"model": usage.TenantUsage}})
 async def my_usage(tenant: TenantDep, svc: ServicesDep) -> dict[str, Any]:
     # Authentication may have come from the replica's cache; show the live limits.
     current = await svc.tenants.get(tenant.id) or tenant

@@ -207,8 +207,12 @@
     const id = usage.tenant_id;
     $("who-label").textContent = `Tenant ${id}`;
     $("tenant-title").textContent = usage.name ? `${usage.name} (${id})` : `Tenant ${id}`;
-    renderQuotaCards($("tenant-quotas"), usage.quotas || {});
     const history = usage.history || [];
+    const last = history[history.length - 1] || {};
+    renderQuotaCards($("tenant-quotas"), usage.quotas || {}, {
+      requests_per_minute: `${fmtNum(last.requests || 0)} this calendar minute`,
+      tokens_per_minute: `${fmtNum(last.tokens || 0)} this calendar minute`,
+    });
     const q = usage.quotas || {};
     renderChart($("chart-requests"), history, "requests", q.requests_per_minute, "requests");
     renderChart($("chart-tokens"), history, "tokens", q.tokens_per_minute, "tokens");
@@ -218,7 +222,9 @@
     renderVectors(listOf(vectors, "vectors"));
   }
 
-  function renderQuotaCards(container, quotas) {
+  /** One card per quota. ``used`` for the two rates is the limiter's window (it
+   *  drains continuously), so the calendar-minute count is shown beside it. */
+  function renderQuotaCards(container, quotas, notes = {}) {
     const cards = QUOTAS.filter(([key]) => quotas[key]).map(([key, label, isBytes]) => {
       const q = quotas[key];
       const full = q.limit > 0 && q.used >= q.limit;
@@ -228,6 +234,7 @@
         el("div", { class: "label", text: label }),
         el("div", { class: "value", text: `${fmt(q.used, isBytes)} / ${fmt(q.limit, isBytes)} (${pct(q)})${full ? " — at limit" : ""}` }),
         meter(q, `${label}: ${fmt(q.used, isBytes)} of ${fmt(q.limit, isBytes)}`),
+        ...(notes[key] ? [el("div", { class: "hint", text: notes[key] })] : []),
       );
     });
     container.replaceChildren(...cards);
@@ -239,6 +246,12 @@
     return node;
   }
 
+  /** The smallest of 2, 4, 6, 10 × 10^k at or above v: its half is a whole number too. */
+  function niceTop(v) {
+    const p = Math.pow(10, Math.floor(Math.log10(v)));
+    return [2, 4, 6, 10].map((m) => m * p).find((t) => t >= v);
+  }
+
   /** A 60-minute area chart; the limit line is drawn when it is on a useful scale. */
   function renderChart(container, history, field, quota, unit) {
     const W = 600, H = 160, L = 44, R = 8, T = 10, B = 22;
@@ -246,7 +259,7 @@
     const peak = Math.max(0, ...values);
     const limit = quota ? quota.limit : 0;
     const showLimit = limit > 0 && limit <= Math.max(peak, 1) * 3;
-    const top = Math.max(1, showLimit ? Math.max(peak, limit) : peak) * 1.1;
+    const top = niceTop(Math.max(1, showLimit ? Math.max(peak, limit) : peak));
     const n = Math.max(values.length, 2);
     const x = (i) => L + ((W - L - R) * i) / (n - 1);
     const y = (v) => T + (H - T - B) * (1 - v / top);
@@ -254,9 +267,9 @@
       "aria-label": `${unit} per minute over the last ${values.length} minutes: peak ${fmtNum(peak)}, now ${fmtNum(values[values.length - 1] || 0)}, limit ${fmtNum(limit)}` });
     root.append(svg("line", { class: "axis", x1: L, y1: H - B, x2: W - R, y2: H - B }));
     root.append(svg("line", { class: "axis", x1: L, y1: T, x2: L, y2: H - B }));
-    for (const v of [0, top / 1.1 / 2, top / 1.1]) {
+    for (const v of [0, top / 2, top]) {
       const t = svg("text", { x: L - 4, y: y(v) + 4, "text-anchor": "end" });
-      t.textContent = fmtNum(Math.round(v));
+      t.textContent = fmtNum(v);
       root.append(t);
     }
     [["-60m", 0], ["-30m", (n - 1) / 2], ["now", n - 1]].forEach(([label, i]) => {

@@ -271,3 +271,10 @@ def test_admin_engines_reports_status_and_a_down_engine(start_gateway, ops: Ops)
     by_url = {e["url"]: e for e in r.json()["engines"]}
     assert by_url[ops.engine_url]["up"] is True
     assert by_url[dead]["up"] is False and by_url[dead]["error"]
+
+
+def test_engine_urls_are_shown_without_credentials() -> None:
+    from gateway.overview import display_url
+
+    assert display_url("http://user:secret@engine:8100") == "http://engine:8100"
+    assert display_url("http://engine:8100") == "http://engine:8100"

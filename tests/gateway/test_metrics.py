@@ -23,14 +23,18 @@ DOC_ROW = re.compile(r"^\|\s*`(steergate_[a-z0-9_]+)`\s*\|\s*(\w+)\s*\|\s*([^|]*
 
 
 def documented() -> dict[str, tuple[str, set[str]]]:
-    """name -> (type, labels) from the table in docs/metrics.md."""
-    rows = {}
-    for line in (ROOT / "docs" / "metrics.md").read_text().splitlines():
-        m = DOC_ROW.match(line)
-        if m:
-            labels = set(re.findall(r"`([a-z_]+)`", m.group(3)))
-            rows[m.group(1)] = (m.group(2), labels)
-    assert len(rows) >= 15, "the metrics table in docs/metrics.md was not found"
+    """name -> (type, labels) from the metrics tables in docs/ (docs/metrics.md, and
+    docs/operations.md once the table is folded in there)."""
+    rows: dict[str, tuple[str, set[str]]] = {}
+    for doc in ("metrics.md", "operations.md"):
+        path = ROOT / "docs" / doc
+        for line in path.read_text().splitlines() if path.exists() else []:
+            m = DOC_ROW.match(line)
+            if m:
+                labels = set(re.findall(r"`([a-z_]+)`", m.group(3)))
+                assert rows.get(m.group(1), (m.group(2), labels)) == (m.group(2), labels), line
+                rows[m.group(1)] = (m.group(2), labels)
+    assert len(rows) >= 15, "the metrics table in docs/ was not found"
     return rows
 
 

@@ -107,3 +107,35 @@ def test_usage_needs_a_tenant_key(ops: Ops) -> None:
     assert httpx.get(ops.url + "/v1/usage").status_code == 401
     r = httpx.get(ops.url + "/v1/usage", headers=ADMIN)
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_usage_admin_usage_and_metrics_work_on_the_embedded_store(start_gateway, ops: Ops) -> None:  # type: ignore[no-untyped-def]
+    """``steergate up`` without REDIS_URL runs on the in-process store (fakeredis)."""
+    gw = start_gateway(redis_url=None, engine_urls=ops.engine_url)
+    embedded = Ops(gw, ops.engine, ops.engine_url)
+    key = embedded.tenant("solo", rpm=1)
+    assert embedded.chat(key).status_code == 200
+    assert embedded.chat(key).status_code == 429
+    embedded.wait_for(lambda: _usage(embedded, key)["rejections"]["rate_limit_exceeded"] == 1)
+    doc = _usage(embedded, key)
+    assert doc["quotas"]["requests_per_minute"] == {"used": 1, "limit": 1}
+    assert embedded.admin("GET", "/admin/usage").json()["tenants"][0]["tenant_id"] == "solo"
+    assert (
+        'steergate_quota_used{quota="requests_per_minute",tenant="solo"} 1.0'
+        in httpx.get(gw.url + "/metrics").text
+    )
+
+
+def test_vector_quota_429s_are_counted_by_cause_too(ops: Ops) -> None:
+    key = ops.tenant("acme", vector_count=1)
+    body = {"hook": "post_block", "layers": {"1": [0.1] * 8}}
+    put = [
+        httpx.put(ops.url + f"/v1/steering/vectors/{n}", headers=bearer(key), json=body)
+        for n in ("one", "two")
+    ]
+    assert [r.status_code for r in put] == [201, 429]
+    assert put[1].json()["error"]["code"] == "vector_quota_exceeded"
+    doc = _usage(ops, key)
+    assert doc["rejections"]["vector_quota_exceeded"] == 1
+    assert doc["quotas"]["vector_count"] == {"used": 1, "limit": 1}
+    assert "unattributed" not in doc["rejections"]
