@@ -227,12 +227,12 @@ def _tenant_action(client: AdminClient, args: argparse.Namespace, out: Console) 
         tenant = client.call("POST", "/admin/tenants", json=body)
         _emit(out, args, tenant, lambda: tenant_table([tenant], f"created tenant {args.id}"))
     elif args.action == "list":
-        tenants = _tenants_of(client.call("GET", "/admin/tenants"))
+        tenants = _rows(client.call("GET", "/admin/tenants"), "tenants")
         _emit(out, args, tenants, lambda: tenant_table(tenants, "tenants"))
     elif args.action == "show":
         tenant = client.call("GET", f"/admin/tenants/{args.id}")
-        keys = _keys_of(client.call("GET", f"/admin/tenants/{args.id}/keys"))
-        usage = _usage_of(client.call("GET", "/admin/usage", params={"tenant": args.id}))
+        keys = _rows(client.call("GET", f"/admin/tenants/{args.id}/keys"), "keys")
+        usage = _rows(client.call("GET", "/admin/usage", params={"tenant": args.id}), "tenants")
         if args.json:
             out.print_json(
                 data={"tenant": tenant, "keys": keys, "usage": usage[0] if usage else None}
@@ -268,7 +268,7 @@ def _key_action(client: AdminClient, args: argparse.Namespace, out: Console) -> 
         )
         out.print(created["key"], markup=False, soft_wrap=True)
     elif args.action == "list":
-        keys = _keys_of(client.call("GET", f"/admin/tenants/{args.tenant}/keys"))
+        keys = _rows(client.call("GET", f"/admin/tenants/{args.tenant}/keys"), "keys")
         _emit(out, args, keys, lambda: key_table(keys, f"keys of {args.tenant}"))
     elif args.action == "revoke":
         client.call("DELETE", f"/admin/keys/{args.key_id}")
@@ -278,7 +278,7 @@ def _key_action(client: AdminClient, args: argparse.Namespace, out: Console) -> 
 def _usage_action(client: AdminClient, args: argparse.Namespace, out: Console) -> None:
     params: dict[str, str] = {"tenant": args.tenant, "history": "true"} if args.tenant else {}
     doc = client.call("GET", "/admin/usage", params=params)
-    rows = _usage_of(doc)
+    rows = _rows(doc, "tenants")
     if args.tenant and not rows:
         raise CLIError(f"no tenant {args.tenant!r}")
     if args.json:
@@ -317,26 +317,6 @@ def _confirm(yes: bool, question: str) -> None:
         raise CLIError("cancelled", exit_code=1)
 
 
-def _tenants_of(doc: Any) -> list[dict[str, Any]]:
-    return list(doc.get("tenants", []) if isinstance(doc, dict) else doc or [])
-
-
-def _keys_of(doc: Any) -> list[dict[str, Any]]:
-    return list(doc.get("keys", []) if isinstance(doc, dict) else doc or [])
-
-
-def _usage_of(doc: Any) -> list[dict[str, Any]]:
-    return list(doc.get("tenants", []) if isinstance(doc, dict) else doc or [])
-
-
-def main(argv: Sequence[str] | None = None) -> int:  # pragma: no cover - convenience
-    args = list(sys.argv[1:] if argv is None else argv)
-    commands = {"tenant": tenant_main, "key": key_main, "usage": usage_main}
-    if not args or args[0] not in commands:
-        print("usage: python -m gateway.admin_cli tenant|key|usage ...", file=sys.stderr)
-        return 2
-    return commands[args[0]](args[1:])
-
-
-if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())
+def _rows(doc: Any, field: str) -> list[dict[str, Any]]:
+    """The list under ``field`` (``{"tenants": [...]}``), or ``doc`` if it is a list."""
+    return list(doc.get(field, []) if isinstance(doc, dict) else doc or [])

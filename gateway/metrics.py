@@ -3,10 +3,11 @@
 Two kinds of series live here:
 
 * **events** — counters and a latency histogram, observed by
-  :class:`MetricsMiddleware` as each authenticated request finishes: status code,
-  duration (for streams, until the last chunk), the ``x-steering-latch`` header and,
-  for a 429, the error code in its body. Observing at the ASGI edge means the
-  request path needs no metrics calls, and sees exactly what the client saw;
+  :class:`gateway.metrics_edge.MetricsMiddleware` as each authenticated request
+  finishes: status code, duration (for streams, until the last chunk), the
+  ``x-steering-latch`` header and, for a 429, the error code in its body.
+  Observing at the ASGI edge means the request path needs no metrics calls, and
+  sees exactly what the client saw;
 * **state** — quota use, tokens, the store's and the engines' health. These are
   read fresh on every scrape (``GET /metrics`` builds a :class:`Snapshot` first) and
   emitted by a custom collector, so a deleted tenant or engine disappears from the
@@ -21,20 +22,13 @@ never become label values (they are secrets or unbounded).
 
 from __future__ import annotations
 
-import logging
-import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-
-from gateway import usage
-
-log = logging.getLogger("steergate.gateway.metrics")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -276,112 +270,12 @@ class Metrics:
         return generate_latest(_WithoutCreated(self.registry))
 
 
-# ---------------------------------------------------------------------------- ASGI edge
-
-Scope = dict[str, Any]
-Message = dict[str, Any]
-RejectionSink = Callable[[Scope, str, str], Awaitable[None]]
-
-
-class MetricsMiddleware:
-    """Plain ASGI middleware (streams pass through untouched) that observes every
-    request an authenticated tenant made, after its last byte was sent.
-
-    The tenant id comes from ``request.state.tenant_id`` (set by ``auth.get_tenant``),
-    the route from the matched route's template. For a 429 the small JSON error body
-    is copied aside to read its ``code`` — the cause — which is also handed to
-    ``on_rejection`` (it records the cause in Redis for ``/v1/usage``)."""
-
-    def __init__(
-        self, app: Any, metrics: Metrics, on_rejection: RejectionSink | None = None
-    ) -> None:
-        self.app = app
-        self.metrics = metrics
-        self.on_rejection = on_rejection
-
-    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = time.perf_counter()
-        status = 0
-        latch_state: str | None = None
-        body_429 = bytearray()
-        finished = False
-
-        async def observing_send(message: Message) -> None:
-            nonlocal status, latch_state, finished
-            if message["type"] == "http.response.start":
-                status = int(message["status"])
-                for name, value in message.get("headers", []):
-                    if name.lower() == b"x-steering-latch":
-                        latch_state = value.decode("latin-1")
-            elif message["type"] == "http.response.body":
-                if status == 429 and len(body_429) < 4096:
-                    body_429.extend(message.get("body", b""))
-                finished = not message.get("more_body", False)
-            await send(message)
-
-        try:
-            await self.app(scope, receive, observing_send)
-        except Exception:
-            # Unhandled: the server-error middleware outside this one answers 500.
-            status = status or 500
-            raise
-        finally:
-            tenant_id = (scope.get("state") or {}).get("tenant_id")
-            if tenant_id and status:
-                await self._observe(
-                    scope,
-                    str(tenant_id),
-                    status,
-                    latch_state,
-                    bytes(body_429),
-                    time.perf_counter() - started if finished else None,
-                )
-
-    async def _observe(
-        self,
-        scope: Scope,
-        tenant_id: str,
-        status: int,
-        latch_state: str | None,
-        body_429: bytes,
-        seconds: float | None,
-    ) -> None:
-        route = getattr(scope.get("route"), "path", None) or "unmatched"
-        self.metrics.observe_request(tenant_id, route, status, seconds)
-        if latch_state and latch_state != "none":
-            self.metrics.observe_latch(tenant_id, latch_state)
-        if status == 429:
-            cause = _error_code(body_429) or "unknown"
-            self.metrics.observe_rejection(tenant_id, cause)
-            if self.on_rejection is not None:
-                try:
-                    await self.on_rejection(scope, tenant_id, cause)
-                except Exception as exc:  # noqa: BLE001 - counting must never fail a request
-                    log.warning("could not record a 429 cause: %s", type(exc).__name__)
-
-
-def _error_code(body: bytes) -> str | None:
-    try:
-        code = orjson.loads(body)["error"]["code"]
-    except (orjson.JSONDecodeError, KeyError, TypeError):
-        return None
-    return code if isinstance(code, str) and len(code) <= 64 else None
-
-
-async def _record_rejection(scope: Scope, tenant_id: str, cause: str) -> None:
-    services = getattr(scope["app"].state, "services", None)
-    if services is not None:
-        await usage.record_rejection(services.redis, tenant_id, cause, usage.now_ms())
-
-
 def install(app: Any) -> None:
     """Give ``app`` its own registry, the observing middleware and ``GET /metrics``."""
-    from gateway.routes.metrics import router  # lazy: that module imports this one
+    from gateway.metrics_edge import MetricsMiddleware, record_rejection  # import cycles:
+    from gateway.routes.metrics import router  # both modules import this one
 
     metrics = Metrics()
     app.state.metrics = metrics
-    app.add_middleware(MetricsMiddleware, metrics=metrics, on_rejection=_record_rejection)
+    app.add_middleware(MetricsMiddleware, metrics=metrics, on_rejection=record_rejection)
     app.include_router(router)

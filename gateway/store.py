@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
@@ -40,6 +42,9 @@ def connect(url: str | None, timeout_s: float) -> Redis:
         )
         return fakeredis.FakeAsyncRedis(decode_responses=True)
     common: dict[str, Any] = {
+        # No client-side retries: redis-py's default (3 retries with backoff) would turn
+        # a 0.5 s timeout into several seconds; the contract wants 503 within 1 s.
+        "retry": Retry(NoBackoff(), 0),
         "decode_responses": True,
         "socket_timeout": timeout_s,
         "socket_connect_timeout": timeout_s,
@@ -47,9 +52,7 @@ def connect(url: str | None, timeout_s: float) -> Redis:
     if url.startswith("redis+cluster://") or url.startswith("rediss+cluster://"):
         plain = url.replace("+cluster", "", 1)
         return RedisCluster.from_url(plain, **common)
-    return aioredis.Redis.from_url(
-        url, health_check_interval=0, retry_on_timeout=False, max_connections=256, **common
-    )
+    return aioredis.Redis.from_url(url, health_check_interval=0, max_connections=256, **common)
 
 
 def is_embedded(client: Redis) -> bool:

@@ -331,8 +331,9 @@ class TenantStore:
                         self._on_event(data.decode() if isinstance(data, bytes) else str(data))
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # any transport failure: reconnect, cache cleared
-                self.cache.clear()
+            except Exception as exc:  # transport failure: reconnect (clears on resubscribe)
+                # Entries stay usable meanwhile: no revocation can happen while Redis is
+                # unreachable, and with fail-open set the cached keys keep serving.
                 log.warning(
                     "auth invalidation subscription lost (%s); retrying", type(exc).__name__
                 )

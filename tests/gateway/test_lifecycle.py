@@ -103,3 +103,30 @@ def test_logs_hold_no_keys_and_no_scoped_ids(
     post(gateway, key + "x", chat_body())
     text = captured_logs.text
     assert key[6:] not in text and "acme~" not in text
+
+
+def test_gateway_refuses_to_start_without_its_secrets(monkeypatch: Any, capsys: Any) -> None:
+    from gateway.server import main
+
+    for name in ("STEERGATE_ADMIN_KEY", "STEERGATE_KEY_PEPPER", "STEERGATE_ENGINE_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("STEERGATE_ADMIN_KEY", "set")
+    assert main(["--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "STEERGATE_KEY_PEPPER" in err and "STEERGATE_ENGINE_TOKEN" in err
+    assert "STEERGATE_ADMIN_KEY" not in err
+
+
+def test_fail_open_admits_unmetered_when_redis_is_down(
+    start_gateway: Any, redis_server: Any, redis_url: str
+) -> None:
+    gw = start_gateway(rate_limit_fail_open=True)
+    key = make_tenant(redis_url, "acme", rpm=1)
+    assert post(gw, key, chat_body()).status_code == 200  # caches the key
+    assert post(gw, key, chat_body()).status_code == 429  # metered while Redis is up
+    redis_server.stop()
+    try:
+        r = post(gw, key, chat_body())
+        assert r.status_code == 200, r.text
+    finally:
+        redis_server.start()

@@ -449,3 +449,27 @@ def test_nan_in_packed_vector_is_400(gateway: ServerThread, redis_url: str) -> N
         json={"hook": "post_block", "packed": encode_packed(m, [0])},
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "packed.data"
+
+
+def test_hung_redis_is_503_within_1s_then_recovers(
+    gateway: ServerThread, redis_server: Any, redis_url: str
+) -> None:
+    """A Redis that accepts connections but never answers (SIGSTOP) must not hang requests."""
+    import os
+    import signal
+
+    key = make_tenant(redis_url, "acme", rpm=100_000, max_concurrency=1000)
+    assert post(gateway, key, chat_body()).status_code == 200
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        for _ in range(2):
+            t0 = time.monotonic()
+            r = post(gateway, key, chat_body())
+            assert time.monotonic() - t0 < 1.0
+            assert r.status_code == 503 and r.json()["error"]["code"] == "store_unavailable"
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 5
+    while post(gateway, key, chat_body()).status_code != 200:
+        assert time.monotonic() < deadline, "did not resume after Redis came back"
+        time.sleep(0.1)
