@@ -144,9 +144,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"median unsteered {mp:.1f} tok/s, steered {ms:.1f} tok/s, ratio {ms / mp:.3f}")
     print(f"best   unsteered {bp:.1f} tok/s, steered {bs:.1f} tok/s, ratio {bs / bp:.3f}")
     _micro(hidden, len(hooks) * layers, args.batch)
+    # Offline vLLM sometimes hangs at interpreter exit with its engine-core process
+    # still up; shut it down explicitly, then leave without running atexit hooks.
+    llm.llm_engine.engine_core.shutdown()
     tmp.cleanup()
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

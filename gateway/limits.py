@@ -68,7 +68,8 @@ def estimate_tokens(body: dict[str, Any]) -> int:
             len(p) if isinstance(p, str) else 4 * len(p) if isinstance(p, list) else 4
             for p in prompt
         )
-    for msg in body.get("messages") or []:
+    messages = body.get("messages")
+    for msg in messages if isinstance(messages, list) else []:
         content = msg.get("content") if isinstance(msg, dict) else None
         if isinstance(content, str):
             chars += len(content)

@@ -14,20 +14,26 @@ check is a set lookup, far cheaper than the gather it avoids.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 OP_NAME = "steergate::steer"
 
-# data_ptr() of every table that currently holds at least one non-zero row.
-# Written by SteeringTables in the same process; read by the CPU fast path.
-_LIVE_TABLES: set[int] = set()
+# data_ptr() of every table that currently holds at least one non-zero row, keyed
+# by address because compiled graphs may hand the op another tensor object over the
+# same storage. Written by SteeringTables in the same process; read by the CPU fast
+# path. The weak reference drops an entry when its table is freed, so a later
+# tensor at a reused address is never mistaken for a live table.
+_LIVE_TABLES: dict[int, weakref.ref[torch.Tensor]] = {}
 
 
 def mark_live(table: torch.Tensor, live: bool) -> None:
+    ptr = table.data_ptr()
     if live:
-        _LIVE_TABLES.add(table.data_ptr())
+        _LIVE_TABLES[ptr] = weakref.ref(table, lambda _ref: _LIVE_TABLES.pop(ptr, None))
     else:
-        _LIVE_TABLES.discard(table.data_ptr())
+        _LIVE_TABLES.pop(ptr, None)
 
 
 @torch.library.custom_op(OP_NAME, mutates_args=("hidden",))

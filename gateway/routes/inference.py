@@ -9,7 +9,7 @@ change it (scoped ids scrubbed, ``steering`` filled in, ``evicted_quota``).
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -147,6 +147,22 @@ async def _unary(
     )
 
 
+class _RelayResponse(StreamingResponse):
+    """A StreamingResponse that runs ``on_exit`` however it ends, even if the client
+    left before the body iterator was ever started (whose own ``finally`` would then
+    never run): that closes the engine stream and settles the request exactly once."""
+
+    def __init__(self, *args: Any, on_exit: Callable[[], Awaitable[None]], **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._on_exit = on_exit
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_exit()
+
+
 async def _stream(
     svc: Services, adm: Admission, prep: Prepared, path: str, content: bytes, engine: Any
 ) -> Response:
@@ -156,6 +172,10 @@ async def _stream(
     if up.status != 200:
         try:
             data = await up.read()
+        except UpstreamBroken as exc:
+            raise APIError(
+                502, "engine_unavailable", "The inference engine is unavailable."
+            ) from exc
         finally:
             await cm.__aexit__(None, None, None)
         _settle(svc, adm, up.status, 0, up.headers.get("x-steering-latch"))
@@ -167,37 +187,41 @@ async def _stream(
         )
     engine_state = up.headers.get("x-steering-latch")
     marker = f"{tenant_id}~".encode()
+    # What the relay has seen; settled once, by whichever of relay/on_exit ends last.
+    seen: dict[str, Any] = {"tokens": -1, "status": 0, "done": False}
+
+    async def finish() -> None:
+        if seen["done"]:
+            return
+        seen["done"] = True
+        await cm.__aexit__(None, None, None)
+        # The engine's latch decision arrived with the headers, before any body, so it
+        # holds even if the stream later broke or the client left (status 0).
+        _settle(svc, adm, seen["status"], seen["tokens"], engine_state, prep.steering is not None)
 
     async def relay() -> AsyncIterator[bytes]:
-        tokens, status, buf = -1, 200, b""
+        buf = b""
         try:
             async for chunk in up.chunks():
                 buf += chunk
                 while b"\n\n" in buf:
                     event, buf = buf.split(b"\n\n", 1)
                     out, used = _relay_event(event, prep.include_usage, marker)
-                    tokens = used if used >= 0 else tokens
+                    seen["tokens"] = used if used >= 0 else seen["tokens"]
                     if out is not None:
                         yield out
             if buf.strip():
                 out, used = _relay_event(buf, prep.include_usage, marker)
-                tokens = used if used >= 0 else tokens
+                seen["tokens"] = used if used >= 0 else seen["tokens"]
                 if out is not None:
                     yield out
+            seen["status"] = 200
         except UpstreamBroken:
-            status = 502
+            seen["status"] = 502
             err = APIError(502, "engine_unavailable", "The inference engine failed mid-stream.")
             yield b"data: " + orjson.dumps(err.body()) + b"\n\n"
         finally:
-            await cm.__aexit__(None, None, None)
-            _settle(
-                svc,
-                adm,
-                status,
-                tokens,
-                engine_state if status == 200 else None,
-                prep.steering is not None,
-            )
+            await finish()
 
     headers = {
         **adm.headers,
@@ -205,8 +229,8 @@ async def _stream(
         "cache-control": "no-cache",
         "x-accel-buffering": "no",
     }
-    return StreamingResponse(
-        relay(), status_code=200, headers=headers, media_type="text/event-stream"
+    return _RelayResponse(
+        relay(), status_code=200, headers=headers, media_type="text/event-stream", on_exit=finish
     )
 
 

@@ -49,6 +49,22 @@ def test_missing_malformed_unknown_and_revoked_keys_get_401(
         assert r.status_code == 401, header
         assert r.json()["error"]["code"] == "invalid_api_key"
     assert post(gateway, key, chat_body()).status_code == 200
+    assert httpx.get(gateway.url + "/readyz").status_code == 200
+    assert httpx.get(gateway.url + "/healthz").status_code == 200
+
+
+def test_reset_durations_use_openai_format() -> None:
+    from gateway.limits import duration
+
+    assert [duration(ms) for ms in (0, 20, 1000, 1500, 59_999, 360_000, 3_723_000)] == [
+        "0ms",
+        "20ms",
+        "1s",
+        "1.5s",
+        "59.999s",
+        "6m0s",
+        "1h2m3s",
+    ]
 
 
 def test_revoked_key_is_refused_by_a_replica_that_cached_it_within_1s(
@@ -312,6 +328,12 @@ def test_gguf_upload_is_decoded_and_forwarded_as_packed_float32(
     )
     sent = fake_engine.state.vectors["acme~g"]
     assert sent["packed"]["dtype"] == "float32" and sent["packed"]["layer_indices"] == [1, 2]
+    auth = {"Authorization": f"Bearer {key}"}
+    listed = httpx.get(gateway.url + "/v1/steering/vectors", headers=auth).json()["data"]
+    assert [v["name"] for v in listed] == ["g"] and "packed" not in listed[0]
+    full = httpx.get(gateway.url + "/v1/steering/vectors/g?include=data", headers=auth).json()
+    assert full["name"] == "g" and full["packed"]["layer_indices"] == [1, 2]
+    assert httpx.get(gateway.url + "/v1/steering/vectors/nope", headers=auth).status_code == 404
 
 
 # -- failures ----------------------------------------------------------------------------
