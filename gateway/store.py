@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from shared.errors import APIError
