@@ -181,6 +181,10 @@ def main() -> int:
                 "--log-level",
                 "warning",
                 "--no-access-log",
+                "--loop",
+                "uvloop",
+                "--http",
+                "httptools",
             ],
             cwd=ROOT,
         )

@@ -10,6 +10,7 @@ times and then dropped (the lease expires by itself; only usage counts are lost)
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -21,7 +22,7 @@ from redis.exceptions import NoScriptError
 
 from gateway import keys
 from gateway.limits import Admission
-from gateway.scripts import Scripts
+from gateway.scripts import Scripts, evalsha
 from gateway.store import Redis
 
 log = logging.getLogger("steergate.gateway.accounting")
@@ -70,6 +71,11 @@ def latch_action(o: Outcome) -> str:
     return ""
 
 
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 class Settler:
     """Batches outcomes into one Redis pipeline per flush."""
 
@@ -89,7 +95,10 @@ class Settler:
         self.flush_interval_s = flush_interval_s
         self.max_batch = max_batch
         self.retries = retries
-        self._queue: asyncio.Queue[Outcome] = asyncio.Queue()
+        # A deque and one future to wake the flusher: asyncio.Queue + wait_for would
+        # create a task per wait, on every request at low concurrency.
+        self._pending: collections.deque[Outcome] = collections.deque()
+        self._wake: asyncio.Future[None] | None = None
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -97,26 +106,38 @@ class Settler:
         if outcome.admission.unmetered:
             return
         self._idle.clear()
-        self._queue.put_nowait(outcome)
+        self._pending.append(outcome)
+        wake = self._wake
+        if wake is not None and not wake.done():
+            wake.set_result(None)
 
     async def drain(self) -> None:
         """Wait until everything submitted so far is settled (tests, shutdown)."""
-        while not self._queue.empty() or not self._idle.is_set():
+        while self._pending or not self._idle.is_set():
             await asyncio.sleep(self.flush_interval_s)
 
+    async def _wait_for_work(self, timeout_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        wake = self._wake = loop.create_future()
+        timer = loop.call_later(timeout_s, _resolve, wake)
+        try:
+            await wake
+        finally:
+            timer.cancel()
+            self._wake = None
+
     async def run(self, stop: asyncio.Event) -> None:
-        while not (stop.is_set() and self._queue.empty()):
-            try:
-                first = await asyncio.wait_for(self._queue.get(), 0.2)
-            except asyncio.TimeoutError:
+        while not (stop.is_set() and not self._pending):
+            if not self._pending:
                 self._idle.set()
+                await self._wait_for_work(0.2)  # wakes on submit; checks ``stop`` at least every 0.2 s
                 continue
-            await asyncio.sleep(self.flush_interval_s)
-            batch = [first]
-            while not self._queue.empty() and len(batch) < self.max_batch:
-                batch.append(self._queue.get_nowait())
+            await asyncio.sleep(self.flush_interval_s)  # let a batch gather
+            batch = [self._pending.popleft()]
+            while self._pending and len(batch) < self.max_batch:
+                batch.append(self._pending.popleft())
             await self._flush(batch)
-            if self._queue.empty():
+            if not self._pending:
                 self._idle.set()
 
     async def _flush(self, batch: list[Outcome]) -> None:
@@ -159,6 +180,8 @@ class Settler:
                 keys.USAGE_MINUTE_TTL_S,
             ]
             calls.append((ks, args))
+        if len(calls) == 1:  # the usual case at low load: a pipeline costs more than it saves
+            return [int(await evalsha(script, *calls[0]) or 0)]
         results: list[Any] = [None] * len(calls)
         todo = list(range(len(calls)))
         for _ in range(2):

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway import keys
-from gateway.scripts import Scripts
+from gateway.scripts import Scripts, evalsha
 from gateway.store import store_errors
 from gateway.tenants import Tenant
 from shared.errors import APIError
@@ -152,8 +152,8 @@ class Limiter:
         ]
         try:
             async with store_errors():
-                r = await self.scripts.admit_request(
-                    keys=keys.admit_keys(tenant.id, minute), args=args
+                r = await evalsha(
+                    self.scripts.admit_request, keys.admit_keys(tenant.id, minute), args
                 )
         except APIError:
             if not self.fail_open:

@@ -221,6 +221,9 @@ class Metrics:
         self.registry.register(self._state)
         # Label tuples seen per tenant, so a deleted tenant's series can be removed.
         self._seen: dict[str, set[tuple[str, tuple[str, ...]]]] = {}
+        # Children by label tuple: ``labels()`` costs a lock and a few allocations,
+        # which every request would pay again. Cleared per tenant by forget_tenant.
+        self._children: dict[tuple[str, tuple[str, ...]], Any] = {}
 
     # -- called by MetricsMiddleware ----------------------------------------------
 
@@ -231,33 +234,35 @@ class Metrics:
         (``/v1/steering/latches/{conversation_id}``), never a path with ids in it.
         ``seconds`` is None when the response never finished (client gone, stream
         broken): counted, but kept out of the latency histogram."""
-        self._remember(tenant_id, "requests", (tenant_id, route, str(status)))
-        self.requests.labels(tenant_id, route, str(status)).inc()
+        self._child("requests", (tenant_id, route, str(status))).inc()
         if seconds is not None:
-            self._remember(tenant_id, "latency", (tenant_id, route))
-            self.latency.labels(tenant_id, route).observe(max(0.0, seconds))
+            self._child("latency", (tenant_id, route)).observe(max(0.0, seconds))
 
     def observe_rejection(self, tenant_id: str, cause: str) -> None:
         """One 429; ``cause`` is its error code (``rate_limit_exceeded``, ...)."""
-        self._remember(tenant_id, "rejections", (tenant_id, cause))
-        self.rejections.labels(tenant_id, cause).inc()
+        self._child("rejections", (tenant_id, cause)).inc()
 
     def observe_latch(self, tenant_id: str, state: str) -> None:
         """The ``x-steering-latch`` state of one inference answer."""
-        self._remember(tenant_id, "latch_events", (tenant_id, state))
-        self.latch_events.labels(tenant_id, state).inc()
+        self._child("latch_events", (tenant_id, state)).inc()
 
     def forget_tenant(self, tenant_id: str) -> None:
         """Drop a deleted tenant's event series (ids may be reused later)."""
         for attr, labels in self._seen.pop(tenant_id, set()):
+            self._children.pop((attr, labels), None)
             metric = getattr(self, attr)
             try:
                 metric.remove(*labels)
             except KeyError:
                 pass
 
-    def _remember(self, tenant_id: str, attr: str, labels: tuple[str, ...]) -> None:
-        self._seen.setdefault(tenant_id, set()).add((attr, labels))
+    def _child(self, attr: str, labels: tuple[str, ...]) -> Any:
+        """The metric child for ``labels`` (labels[0] is the tenant id), cached."""
+        child = self._children.get((attr, labels))
+        if child is None:
+            self._seen.setdefault(labels[0], set()).add((attr, labels))
+            child = self._children[(attr, labels)] = getattr(self, attr).labels(*labels)
+        return child
 
     # -- called by GET /metrics ----------------------------------------------------
 

@@ -6,8 +6,11 @@ so scripts survive a Redis restart without gateway code knowing about it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from redis.exceptions import NoScriptError
 
 from gateway.store import Redis, lua_source
 
@@ -25,3 +28,17 @@ class Scripts:
         return cls(
             **{name: redis.register_script(lua_source(name)) for name in cls.__dataclass_fields__}
         )
+
+
+async def evalsha(script: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
+    """Run ``script`` with one EVALSHA on its own client, reloading it on NOSCRIPT.
+
+    The same as calling the Script object, minus its per-call overhead (an import and
+    an ``isinstance`` check against a typing Protocol, ~20 us): this is the hot path's
+    only Redis round trip."""
+    client = script.registered_client
+    try:
+        return await client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+    except NoScriptError:
+        script.sha = await client.script_load(script.script)
+        return await client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)

@@ -1,7 +1,11 @@
-"""The upstream boundary: the only module that owns an ``httpx.AsyncClient`` and the
-only one that sees httpx exceptions. Everything leaves it as our own types:
-``UpstreamResponse``, ``UpstreamStream`` (chunks; ``UpstreamBroken`` mid-stream) or
-``APIError`` (502 engine_unavailable, 504 engine_timeout).
+"""The upstream boundary: the only module that talks HTTP to the engines, and the
+only one that sees the HTTP client's exceptions. Everything leaves it as our own
+types: ``UpstreamResponse``, ``UpstreamStream`` (chunks; ``UpstreamBroken``
+mid-stream) or ``APIError`` (502 engine_unavailable, 504 engine_timeout).
+
+The client is ``gateway/http1.py``, a small pooled HTTP/1.1 client on asyncio and
+``httptools`` (private to this module): httpx's pure-Python request machinery was
+the largest part of the gateway's added latency.
 
 Routing: a conversation always goes to the same engine (rendezvous hashing on its
 scoped id, so adding/removing an engine moves only its share); other requests go to
@@ -19,16 +23,17 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlencode, urlsplit
 
-import httpx
 import orjson
 
+from gateway import http1
 from shared.errors import APIError
 from shared.steering import ModelShape
 
 log = logging.getLogger("steergate.gateway.upstream")
 
-POOL_SHARDS = 32
+JSON = "application/json"
 
 
 def quiet_http_client_logs() -> None:
@@ -48,6 +53,14 @@ class Engine:
     healthy: bool = True
     inflight: int = 0
     info: dict[str, Any] | None = None
+    #: ``scheme://host:port`` and the path prefix of ``url`` (engines may sit under one).
+    origin: str = field(init=False, repr=False)
+    base_path: str = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        parts = urlsplit(self.url)
+        self.origin = f"{parts.scheme}://{parts.netloc}"
+        self.base_path = parts.path.rstrip("/")
 
     @property
     def epoch(self) -> Any:
@@ -68,24 +81,25 @@ class UpstreamResponse:
 class UpstreamStream:
     status: int
     headers: dict[str, str]
-    _response: httpx.Response = field(repr=False)
+    _response: http1.Response = field(repr=False)
 
     async def chunks(self) -> AsyncIterator[bytes]:
+        """The body as the engine sends it (de-chunked), never buffered here."""
         try:
-            async for chunk in self._response.aiter_raw():
+            async for chunk in self._response.iter_chunks():
                 yield chunk
-        except httpx.HTTPError as exc:
+        except http1.HTTPError as exc:
             raise UpstreamBroken(type(exc).__name__) from exc
 
     async def read(self) -> bytes:
         try:
-            return await self._response.aread()
-        except httpx.HTTPError as exc:
+            return await self._response.read()
+        except http1.HTTPError as exc:
             raise UpstreamBroken(type(exc).__name__) from exc
 
 
 def _unavailable(engine: Engine, exc: Exception) -> APIError:
-    if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
+    if isinstance(exc, http1.ReadTimeout):
         return APIError(504, "engine_timeout", "The inference engine timed out.")
     engine.healthy = False
     return APIError(502, "engine_unavailable", "The inference engine is unavailable.")
@@ -104,30 +118,13 @@ class EnginePool:
         *,
         connect_timeout_s: float = 5.0,
         read_timeout_s: float = 600.0,
-        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         quiet_http_client_logs()
         self.engines = [Engine(u) for u in urls]
-        # httpcore's pool scans every pooled connection (with a socket-readability
-        # syscall each) on every request, so one big pool costs O(connections) per
-        # request; several small pools used round-robin keep that scan short.
-        limits = httpx.Limits(max_connections=128, max_keepalive_connections=8)
-        ssl_context = httpx.create_ssl_context()  # one, shared: each costs ~25 ms to build
-        self._shards = [
-            transport or httpx.AsyncHTTPTransport(limits=limits, verify=ssl_context)
-            for _ in range(POOL_SHARDS)
-        ]
-        self._shard = 0
-        # The hot path (inference POSTs) goes straight to the transport: the client's
-        # cookie jar, redirect and auth machinery cost ~0.3 ms a request and do nothing
-        # for an internal JSON API. The client is kept for the rare calls and builds
-        # every request (so base headers and timeouts apply to both paths).
-        self._client = httpx.AsyncClient(
-            headers={"Authorization": f"Bearer {token}"},
-            timeout=httpx.Timeout(
-                read_timeout_s, connect=connect_timeout_s, pool=connect_timeout_s
-            ),
-            transport=self._shards[0],
+        self._client = http1.Client(
+            headers={"authorization": f"Bearer {token}"},
+            connect_timeout_s=connect_timeout_s,
+            read_timeout_s=read_timeout_s,
         )
         self._rr = 0
         #: Called for an engine whose epoch changed (it restarted); set by the lifespan.
@@ -135,12 +132,6 @@ class EnginePool:
 
     async def aclose(self) -> None:
         await self._client.aclose()
-        for t in self._shards[1:]:
-            await t.aclose()
-
-    def _transport(self) -> httpx.AsyncBaseTransport:
-        self._shard = (self._shard + 1) % len(self._shards)
-        return self._shards[self._shard]
 
     # -- routing -----------------------------------------------------------------
 
@@ -172,43 +163,50 @@ class EnginePool:
         json: Any = None,
         content: bytes | None = None,
         params: dict[str, str] | None = None,
+        timeout_s: float | None = None,
     ) -> UpstreamResponse:
         engine = engine or self.pick()
-        headers = {"content-type": "application/json"} if content is not None else None
-        req = self._client.build_request(
-            method, engine.url + path, json=json, content=content, params=params, headers=headers
-        )
+        if json is not None:
+            content = orjson.dumps(json)
+        target = engine.base_path + path + (f"?{urlencode(params)}" if params else "")
         engine.inflight += 1
         try:
-            r = await self._transport().handle_async_request(req)
+            r = await self._client.send(
+                method,
+                engine.origin,
+                target,
+                content=content,
+                content_type=JSON if content is not None else None,
+                read_timeout_s=timeout_s,
+            )
             try:
-                body = await r.aread()
+                body = await r.read()
             finally:
                 await r.aclose()
-        except httpx.HTTPError as exc:
+        except http1.HTTPError as exc:
             raise _unavailable(engine, exc) from exc
         finally:
             engine.inflight -= 1
-        _check_token(r.status_code)
-        return UpstreamResponse(r.status_code, dict(r.headers), body)
+        _check_token(r.status)
+        return UpstreamResponse(r.status, r.headers, body)
 
     @contextlib.asynccontextmanager
     async def stream(
         self, path: str, content: bytes, *, engine: Engine
     ) -> AsyncIterator[UpstreamStream]:
         """POST ``content`` and expose the response as it arrives (never buffered)."""
-        req = self._client.build_request(
-            "POST", engine.url + path, content=content, headers={"content-type": "application/json"}
-        )
         engine.inflight += 1
         try:
             try:
-                r = await self._transport().handle_async_request(req)
-            except httpx.HTTPError as exc:
+                r = await self._client.send(
+                    "POST", engine.origin, engine.base_path + path, content=content,
+                    content_type=JSON,
+                )
+            except http1.HTTPError as exc:
                 raise _unavailable(engine, exc) from exc
             try:
-                _check_token(r.status_code)
-                yield UpstreamStream(r.status_code, dict(r.headers), r)
+                _check_token(r.status)
+                yield UpstreamStream(r.status, r.headers, r)
             finally:
                 await r.aclose()
         finally:
@@ -251,14 +249,15 @@ class EnginePool:
 
         async def one(e: Engine) -> None:
             try:
-                r = await self._client.get(e.url + "/v1/steering/info", timeout=2.0)
-            except httpx.HTTPError:
+                r = await asyncio.wait_for(
+                    self.request("GET", "/v1/steering/info", engine=e, timeout_s=2.0), 2.0
+                )
+                info = r.json() if r.status == 200 else None
+            except (APIError, asyncio.TimeoutError, ValueError):
+                info = None
+            if not isinstance(info, dict):
                 e.healthy = False
                 return
-            if r.status_code != 200:
-                e.healthy = False
-                return
-            info = r.json()
             changed = e.info is not None and info.get("epoch") != e.epoch
             e.info, e.healthy = info, True
             if changed and on_epoch_change is not None:

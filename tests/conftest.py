@@ -32,8 +32,10 @@ def tiny_model() -> Path:
 
 @pytest.fixture(scope="session")
 def engine(tiny_model: Path) -> Iterator[EngineProcess]:
-    """The real vLLM CPU engine with default caps, default compile mode, shared by
-    every test that does not need its own caps."""
-    proc = EngineProcess(tiny_model).start()
+    """The real vLLM CPU engine with default caps and default compile mode, shared
+    by every test that does not need its own caps. ``--dtype float32``: vLLM's
+    ``auto`` serves float32 checkpoints as bfloat16 on x86 CPUs, which would make
+    the 1e-3 comparison with a float32 ``transformers`` reference meaningless."""
+    proc = EngineProcess(tiny_model, extra_args=["--dtype", "float32"]).start()
     yield proc
     proc.stop()

@@ -84,10 +84,13 @@ def _after_load(load_model: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _attach(runner: Any) -> None:
-    if getattr(runner, "_steergate", None) is not None:
-        return  # CPUModelRunner.load_model and a reload must not wrap twice
-    model = runner.get_model()
-    layers, present = find_decoder_layers(model)
+    layers, present = find_decoder_layers(runner.get_model())
+    existing: SteeringTables | None = getattr(runner, "_steergate", None)
+    if existing is not None:
+        # load_model ran again (a new model object): wrap its layers around the same
+        # tables; wrapping is idempotent per layer, so the same model is not re-wrapped.
+        wrap_layers(layers, present, existing)
+        return
     compilation = runner.vllm_config.compilation_config
     # CUDA graphs pad a step up to a capture size; padded tokens must find row 0.
     capture = int(getattr(compilation, "max_cudagraph_capture_size", 0) or 0)

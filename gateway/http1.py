@@ -1,0 +1,378 @@
+"""A small pooled HTTP/1.1 client on asyncio protocols and the ``httptools`` parser.
+
+Private to ``gateway/upstream.py`` (nothing else imports it): the engine API is a
+handful of JSON routes plus SSE, so this does only what that needs — keep-alive
+connection pools per origin, ``Content-Length`` request bodies, responses with a
+length, chunked or close-delimited body, delivered whole or chunk by chunk with
+back-pressure, and connect / read timeouts. It exists because httpx costs several
+hundred microseconds of pure Python per request, which was most of the gateway's
+added latency (see docs/gateway.md, Performance).
+
+Errors: :class:`ConnectError` (could not connect, incl. connect timeout),
+:class:`ReadTimeout` (no bytes for ``read_timeout_s``), :class:`ProtocolError`
+(the connection broke or the answer was not HTTP). All are :class:`HTTPError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import ssl
+from collections.abc import AsyncIterator
+from typing import Any
+from urllib.parse import urlsplit
+
+import httptools
+
+#: Pause reading from the engine when this much of a streamed body is unconsumed.
+HIGH_WATER = 256 * 1024
+#: Idle keep-alive connections kept per origin (more are closed on release).
+MAX_IDLE = 64
+
+
+class HTTPError(Exception):
+    pass
+
+
+class ConnectError(HTTPError):
+    pass
+
+
+class ReadTimeout(HTTPError):
+    pass
+
+
+class ProtocolError(HTTPError):
+    pass
+
+
+class _Conn(asyncio.Protocol):
+    """One connection; one request/response in flight at a time."""
+
+    def __init__(self, pool: _Pool) -> None:
+        self.pool = pool
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.parser = httptools.HttpResponseParser(self)
+        self.loop = pool.loop
+        self.reused = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self.head_done: asyncio.Future[None] = self.loop.create_future()
+        self.chunks: collections.deque[bytes] = collections.deque()
+        self.buffered = 0
+        self.complete = False
+        self.error: HTTPError | None = None
+        self.waiter: asyncio.Future[None] | None = None
+        self.paused = False
+        self.got_bytes = False
+
+    # -- asyncio.Protocol --------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.got_bytes = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(ProtocolError(f"bad response: {type(exc).__name__}"))
+            self._close()
+
+    def eof_received(self) -> bool | None:
+        # Close-delimited bodies end at EOF; anything else ending here is a break.
+        try:
+            self.parser.feed_data(b"")
+        except httptools.HttpParserError:
+            pass
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.complete:
+            return
+        h = self.headers
+        if (
+            self.head_done.done()
+            and self.error is None
+            and "content-length" not in h
+            and "chunked" not in h.get("transfer-encoding", "")
+        ):
+            self.complete = True  # a close-delimited body ends here
+            self._wake()
+            return
+        self._fail(ProtocolError("engine connection closed"))
+
+    def pause_writing(self) -> None:  # bodies are small; the kernel buffers them
+        pass
+
+    def resume_writing(self) -> None:
+        pass
+
+    # -- httptools callbacks -----------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        key = name.decode("latin-1").lower()
+        val = value.decode("latin-1")
+        prev = self.headers.get(key)
+        self.headers[key] = val if prev is None else f"{prev}, {val}"
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        if not self.head_done.done():
+            self.head_done.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+        self.buffered += len(body)
+        if self.buffered > HIGH_WATER and not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        self._wake()
+
+    # -- helpers -----------------------------------------------------------------
+
+    def _wake(self) -> None:
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _fail(self, err: HTTPError) -> None:
+        if self.error is None:
+            self.error = err
+        if not self.head_done.done():
+            self.head_done.set_exception(err)
+            self.head_done.exception()  # mark retrieved: nobody may be waiting
+        self._wake()
+
+    def _close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+    async def _wait(self, fut: asyncio.Future[Any], timeout_s: float) -> None:
+        handle = self.loop.call_later(timeout_s, _expire, fut)
+        try:
+            await fut
+        finally:
+            handle.cancel()
+
+    # -- used by Response ----------------------------------------------------------
+
+    async def next_chunk(self, timeout_s: float) -> bytes | None:
+        """The next piece of body, or None at its end."""
+        while True:
+            if self.chunks:
+                chunk = self.chunks.popleft()
+                self.buffered -= len(chunk)
+                if self.paused and self.buffered <= HIGH_WATER // 4 and self.transport:
+                    self.paused = False
+                    self.transport.resume_reading()
+                return chunk
+            if self.complete:
+                return None
+            if self.error is not None:
+                raise self.error
+            self.waiter = self.loop.create_future()
+            try:
+                await self._wait(self.waiter, timeout_s)
+            except asyncio.TimeoutError:
+                raise ReadTimeout("engine read timed out") from None
+            finally:
+                self.waiter = None
+
+
+def _expire(fut: asyncio.Future[Any]) -> None:
+    if not fut.done():
+        fut.set_exception(asyncio.TimeoutError())
+
+
+class Response:
+    """A response whose head has arrived; read the body with :meth:`read` or
+    :meth:`iter_chunks`, then :meth:`aclose` (always; it returns the connection)."""
+
+    def __init__(self, conn: _Conn, read_timeout_s: float) -> None:
+        self._conn = conn
+        self._timeout = read_timeout_s
+        self.status = conn.status
+        self.headers = conn.headers
+        self._released = False
+
+    async def iter_chunks(self) -> AsyncIterator[bytes]:
+        while True:
+            chunk = await self._conn.next_chunk(self._timeout)
+            if chunk is None:
+                return
+            yield chunk
+
+    async def read(self) -> bytes:
+        parts = []
+        while True:
+            chunk = await self._conn.next_chunk(self._timeout)
+            if chunk is None:
+                return b"".join(parts)
+            parts.append(chunk)
+
+    async def aclose(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        conn = self._conn
+        reusable = (
+            conn.complete
+            and not conn.closed
+            and conn.error is None
+            and conn.parser.should_keep_alive()
+        )
+        if reusable:
+            conn.pool.release(conn)
+        else:
+            conn._close()
+
+
+class _Pool:
+    """Idle keep-alive connections to one origin, most recently used first."""
+
+    def __init__(self, origin: str, ssl_ctx: ssl.SSLContext | None) -> None:
+        parts = urlsplit(origin)
+        self.host = parts.hostname or "127.0.0.1"
+        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        self.ssl = ssl_ctx if parts.scheme == "https" else None
+        default = (parts.scheme == "https" and self.port == 443) or self.port == 80
+        self.host_header = self.host if default else f"{self.host}:{self.port}"
+        self.idle: list[_Conn] = []
+        self.loop = asyncio.get_running_loop()
+
+    async def acquire(self, connect_timeout_s: float, *, fresh: bool = False) -> _Conn:
+        while self.idle and not fresh:
+            conn = self.idle.pop()
+            if not conn.closed:
+                conn._reset()
+                conn.reused = True
+                return conn
+        try:
+            _, conn = await asyncio.wait_for(
+                self.loop.create_connection(
+                    lambda: _Conn(self),
+                    self.host,
+                    self.port,
+                    ssl=self.ssl,
+                    server_hostname=self.host if self.ssl else None,
+                ),
+                connect_timeout_s,
+            )
+        except (OSError, asyncio.TimeoutError) as exc:
+            raise ConnectError(type(exc).__name__) from exc
+        return conn
+
+    def release(self, conn: _Conn) -> None:
+        if len(self.idle) < MAX_IDLE:
+            self.idle.append(conn)
+        else:
+            conn._close()
+
+    def close(self) -> None:
+        for conn in self.idle:
+            conn._close()
+        self.idle.clear()
+
+
+class Client:
+    """Pooled HTTP/1.1 client. ``headers`` are sent with every request."""
+
+    def __init__(
+        self,
+        *,
+        headers: dict[str, str],
+        connect_timeout_s: float,
+        read_timeout_s: float,
+    ) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self._base = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        self._pools: dict[str, _Pool] = {}
+        self._heads: dict[tuple[str, str], bytes] = {}
+        self._ssl: ssl.SSLContext | None = None
+
+    def _pool(self, origin: str) -> _Pool:
+        pool = self._pools.get(origin)
+        if pool is None:
+            if origin.startswith("https:") and self._ssl is None:
+                self._ssl = ssl.create_default_context()
+            pool = self._pools[origin] = _Pool(origin, self._ssl)
+        return pool
+
+    def _head(self, pool: _Pool, method: str) -> bytes:
+        key = (pool.host_header, method)
+        head = self._heads.get(key)
+        if head is None:
+            head = self._heads[key] = f"host: {pool.host_header}\r\n{self._base}".encode("latin-1")
+        return head
+
+    async def send(
+        self,
+        method: str,
+        origin: str,
+        target: str,
+        *,
+        content: bytes | None = None,
+        content_type: str | None = None,
+        read_timeout_s: float | None = None,
+    ) -> Response:
+        """Send a request to ``origin`` (``http://host:port``) for ``target`` (path
+        and query) and wait for the response head."""
+        pool = self._pool(origin)
+        timeout = self.read_timeout_s if read_timeout_s is None else read_timeout_s
+        extra = f"content-type: {content_type}\r\n" if content_type else ""
+        if content is not None or method in ("POST", "PUT", "PATCH"):
+            extra += f"content-length: {len(content or b'')}\r\n"
+        data = b"".join(
+            (
+                f"{method} {target} HTTP/1.1\r\n".encode("latin-1"),
+                self._head(pool, method),
+                extra.encode("latin-1"),
+                b"\r\n",
+                content or b"",
+            )
+        )
+        conn = await pool.acquire(self.connect_timeout_s)
+        try:
+            return await self._exchange(conn, data, timeout)
+        except ProtocolError:
+            # A kept-alive connection the engine closed while idle (its keep-alive
+            # timeout) before reading a byte of ours: the request never arrived, so
+            # it is safe to send once more on a new connection.
+            if not conn.reused or conn.got_bytes:
+                raise
+        conn = await pool.acquire(self.connect_timeout_s, fresh=True)
+        return await self._exchange(conn, data, timeout)
+
+    async def _exchange(self, conn: _Conn, data: bytes, timeout: float) -> Response:
+        assert conn.transport is not None
+        try:
+            conn.transport.write(data)
+            await conn._wait(conn.head_done, timeout)
+        except asyncio.TimeoutError:
+            conn._close()
+            raise ReadTimeout("engine read timed out") from None
+        except HTTPError:
+            conn._close()
+            raise
+        except BaseException:
+            conn._close()  # cancelled: the connection is mid-exchange, never reuse it
+            raise
+        return Response(conn, timeout)
+
+    async def aclose(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
