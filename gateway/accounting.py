@@ -130,7 +130,7 @@ class Settler:
         while not (stop.is_set() and not self._pending):
             if not self._pending:
                 self._idle.set()
-                await self._wait_for_work(0.2)  # wakes on submit; checks ``stop`` at least every 0.2 s
+                await self._wait_for_work(0.2)  # wakes on submit; sees ``stop`` within 0.2 s
                 continue
             await asyncio.sleep(self.flush_interval_s)  # let a batch gather
             batch = [self._pending.popleft()]

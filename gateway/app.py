@@ -1,6 +1,6 @@
 """Assembly only: settings -> services (in the lifespan) -> middleware and routers.
 
-The lifespan owns every pool (Redis, httpx) and background task (auth invalidation,
+The lifespan owns every pool (Redis, the engine client) and background task (auth invalidation,
 engine polling, settlement); nothing lives at module level. Routers owned by the
 admin/usage/dashboard/metrics work are included when their modules exist.
 """
@@ -30,7 +30,6 @@ from gateway.scripts import Scripts
 from gateway.store import Redis, connect, is_embedded
 from gateway.tenants import TenantStore
 from gateway.upstream import Engine, EnginePool
-from gateway.usage_reader import UsageReader
 from shared.errors import APIError, error_body
 from shared.scoping import scope
 from shared.settings import GatewaySettings
@@ -92,7 +91,6 @@ def build_services(
         ),
         settler=Settler(redis, scripts, delete_latch),
         reconciler=reconciler,
-        usage=UsageReader(redis),
     )
 
 
@@ -107,7 +105,6 @@ def create_app(settings: GatewaySettings | None = None, *, redis: Redis | None =
         app.state.settings = settings
         app.state.tenants = svc.tenants
         app.state.engines = svc.pool
-        app.state.usage = svc.usage
         app.state.embedded_store = is_embedded(svc.redis)
         stop = asyncio.Event()
         tasks = [

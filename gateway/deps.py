@@ -14,7 +14,6 @@ from gateway.scripts import Scripts
 from gateway.store import Redis
 from gateway.tenants import TenantStore
 from gateway.upstream import EnginePool
-from gateway.usage_reader import UsageReader
 from shared.settings import GatewaySettings
 
 
@@ -30,7 +29,6 @@ class Services:
     limiter: Limiter
     settler: Settler
     reconciler: Reconciler
-    usage: UsageReader
 
 
 def get_services(request: Request) -> Services:

@@ -199,7 +199,10 @@ class EnginePool:
         try:
             try:
                 r = await self._client.send(
-                    "POST", engine.origin, engine.base_path + path, content=content,
+                    "POST",
+                    engine.origin,
+                    engine.base_path + path,
+                    content=content,
                     content_type=JSON,
                 )
             except http1.HTTPError as exc:

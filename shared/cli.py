@@ -13,7 +13,7 @@ USAGE = """usage: steergate COMMAND [ARGS...]
 commands:
   engine --model PATH_OR_HF_ID [--port 8100] [vLLM args...]   stock vLLM + steering plugins
   gateway [--port 8080]                                      the multi-tenant gateway
-  up [--model PATH_OR_HF_ID]                                 engine + gateway + demo tenant, all in one
+  up [--model PATH_OR_HF_ID]                                 engine + gateway + demo tenant
   tiny-model DIR                                             write a small random Llama
   tenant create|list|show|update|delete ...                  admin: tenants
   key create|list|revoke ...                                 admin: API keys

@@ -119,7 +119,9 @@ def decode_gguf_control_vector(raw: bytes) -> dict[int, np.ndarray]:
         os.unlink(path)
 
 
-def encode_gguf_control_vector(layers: Mapping[int, np.ndarray], model_hint: str = "llama") -> bytes:
+def encode_gguf_control_vector(
+    layers: Mapping[int, np.ndarray], model_hint: str = "llama"
+) -> bytes:
     """Write a repeng-style control-vector GGUF (used by tests and the CLI)."""
     from gguf import GGUFWriter
 

@@ -45,7 +45,9 @@ class APIError(Exception):
 
     @property
     def type(self) -> str:
-        return _TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
+        return _TYPES.get(
+            self.status, "server_error" if self.status >= 500 else "invalid_request_error"
+        )
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)

@@ -36,14 +36,18 @@ def check_conversation_id(value: object, param: str = "conversation_id") -> str:
 def check_vector_name(value: object, param: str = "name") -> str:
     if not isinstance(value, str) or not VECTOR_NAME_RE.match(value):
         raise InvalidField(
-            param, f"'{param}' must be 1-64 characters of [A-Za-z0-9._-]", code="invalid_vector_name"
+            param,
+            f"'{param}' must be 1-64 characters of [A-Za-z0-9._-]",
+            code="invalid_vector_name",
         )
     return value
 
 
 def check_tenant_id(value: object, param: str = "id") -> str:
     if not isinstance(value, str) or not TENANT_ID_RE.match(value):
-        raise InvalidField(param, f"'{param}' must be 1-32 characters of [a-z0-9-]", code="invalid_tenant_id")
+        raise InvalidField(
+            param, f"'{param}' must be 1-32 characters of [a-z0-9-]", code="invalid_tenant_id"
+        )
     return value
 
 
@@ -59,4 +63,4 @@ def tenant_prefix(tenant_id: str) -> str:
 def unscope(tenant_id: str, scoped: str) -> str | None:
     """The client form, or None when ``scoped`` does not belong to ``tenant_id``."""
     prefix = tenant_prefix(tenant_id)
-    return scoped[len(prefix):] if scoped.startswith(prefix) else None
+    return scoped[len(prefix) :] if scoped.startswith(prefix) else None

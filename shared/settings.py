@@ -16,10 +16,15 @@ class EngineSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="STEERGATE_", extra="ignore")
 
     engine_token: SecretStr | None = Field(
-        default=None, description="Shared secret every engine route requires (Authorization: Bearer)."
+        default=None,
+        description="Shared secret every engine route requires (Authorization: Bearer).",
     )
-    max_latched_conversations: int = Field(default=1024, ge=0, description="Latch controller count cap.")
-    max_latched_bytes: int = Field(default=268435456, ge=0, description="Latch controller byte cap.")
+    max_latched_conversations: int = Field(
+        default=1024, ge=0, description="Latch controller count cap."
+    )
+    max_latched_bytes: int = Field(
+        default=268435456, ge=0, description="Latch controller byte cap."
+    )
 
 
 class GatewaySettings(BaseSettings):
@@ -28,24 +33,40 @@ class GatewaySettings(BaseSettings):
     redis_url: str | None = Field(
         default=None,
         validation_alias=AliasChoices("REDIS_URL", "redis_url"),
-        description="redis://, rediss:// or redis+cluster://; unset means the embedded single-process store.",
+        description=(
+            "redis://, rediss:// or redis+cluster://; "
+            "unset means the embedded single-process store."
+        ),
     )
     engine_urls: str = Field(
         default="http://127.0.0.1:8100", description="Comma-separated engine base URLs."
     )
-    engine_token: SecretStr | None = Field(default=None, description="Secret presented to the engines.")
+    engine_token: SecretStr | None = Field(
+        default=None, description="Secret presented to the engines."
+    )
     admin_key: SecretStr | None = Field(default=None, description="Bootstrap admin key.")
-    key_pepper: SecretStr | None = Field(default=None, description="Server-side secret mixed into API-key hashes.")
-    max_body_bytes: int = Field(default=8388608, ge=1024, description="Larger request bodies get 413.")
+    key_pepper: SecretStr | None = Field(
+        default=None, description="Server-side secret mixed into API-key hashes."
+    )
+    max_body_bytes: int = Field(
+        default=8388608, ge=1024, description="Larger request bodies get 413."
+    )
     host: str = Field(default="127.0.0.1", description="Address the gateway binds.")
     port: int = Field(default=8080, description="Port the gateway binds.")
     rate_limit_fail_open: bool = Field(
         default=False,
-        description="Admit requests unmetered when Redis is unreachable (default: fail closed with 503).",
+        description=(
+            "Admit requests unmetered when Redis is unreachable "
+            "(default: fail closed with 503)."
+        ),
     )
     redis_timeout_s: float = Field(default=0.5, gt=0, description="Per-command Redis timeout.")
-    engine_connect_timeout_s: float = Field(default=5.0, gt=0, description="Engine connect timeout.")
-    engine_read_timeout_s: float = Field(default=600.0, gt=0, description="Engine read timeout (504 past it).")
+    engine_connect_timeout_s: float = Field(
+        default=5.0, gt=0, description="Engine connect timeout."
+    )
+    engine_read_timeout_s: float = Field(
+        default=600.0, gt=0, description="Engine read timeout (504 past it)."
+    )
     reconcile_interval_s: float = Field(
         default=5.0, gt=0, description="How often latch accounting is checked against the engines."
     )

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 
@@ -51,7 +51,7 @@ class InlineTerm:
     index: int = 0
 
 
-Term = Union[NamedTerm, InlineTerm]
+Term = NamedTerm | InlineTerm
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,9 @@ class SteeringRequest:
         return [t.name for t in self.terms if isinstance(t, NamedTerm)]
 
     def inline_sites(self) -> set[Site]:
-        return {(t.hook, layer) for t in self.terms if isinstance(t, InlineTerm) for layer in t.layers}
+        return {
+            (t.hook, layer) for t in self.terms if isinstance(t, InlineTerm) for layer in t.layers
+        }
 
     def inline_latch_bytes(self, hidden_size: int) -> int:
         """Bytes a by-value latch of this request holds: one float32 vector per
@@ -90,7 +92,8 @@ def parse_steering(obj: Any, shape: ModelShape | None, param: str = "steering") 
         raise InvalidField(f"{param}.vectors", f"'{param}.vectors' must be an array")
     if len(vectors) > MAX_TERMS:
         raise InvalidField(
-            f"{param}.vectors", f"'{param}.vectors' has {len(vectors)} terms; at most {MAX_TERMS} are allowed"
+            f"{param}.vectors",
+            f"'{param}.vectors' has {len(vectors)} terms; at most {MAX_TERMS} are allowed",
         )
     if latch and not vectors:
         raise InvalidField(f"{param}.vectors", f"'{param}.latch' needs at least one vector to keep")
@@ -114,7 +117,9 @@ def parse_term(obj: Any, shape: ModelShape | None, param: str, index: int = 0) -
     return InlineTerm(hook=hook, layers=layers, scale=scale, index=index)
 
 
-def parse_vector_body(obj: Any, shape: ModelShape | None) -> tuple[str, dict[int, np.ndarray], str | None]:
+def parse_vector_body(
+    obj: Any, shape: ModelShape | None
+) -> tuple[str, dict[int, np.ndarray], str | None]:
     """A named-vector registration body ``{hook, layers|packed, description?}``."""
     if not isinstance(obj, dict):
         raise InvalidField("body", "the request body must be a JSON object")
@@ -122,17 +127,23 @@ def parse_vector_body(obj: Any, shape: ModelShape | None) -> tuple[str, dict[int
     hook = parse_hook(obj.get("hook"), "hook")
     description = obj.get("description")
     if description is not None and (not isinstance(description, str) or len(description) > 1024):
-        raise InvalidField("description", "'description' must be a string of at most 1024 characters")
+        raise InvalidField(
+            "description", "'description' must be a string of at most 1024 characters"
+        )
     return hook, parse_layers_or_packed(obj, shape, None), description
 
 
 def parse_hook(value: Any, param: str) -> str:
     if value not in HOOKS:
-        raise InvalidField(param, f"'{param}' must be one of {', '.join(HOOKS)}; got {_short(value)}")
+        raise InvalidField(
+            param, f"'{param}' must be one of {', '.join(HOOKS)}; got {_short(value)}"
+        )
     return str(value)
 
 
-def parse_layers_or_packed(obj: Mapping[str, Any], shape: ModelShape | None, param: str | None) -> dict[int, np.ndarray]:
+def parse_layers_or_packed(
+    obj: Mapping[str, Any], shape: ModelShape | None, param: str | None
+) -> dict[int, np.ndarray]:
     prefix = f"{param}." if param else ""
     has_layers, has_packed = "layers" in obj, "packed" in obj
     if has_layers == has_packed:
@@ -153,7 +164,9 @@ def check_vectors(layers: Mapping[int, np.ndarray], shape: ModelShape, param: st
 
 def _parse_layers(obj: Any, shape: ModelShape | None, param: str) -> dict[int, np.ndarray]:
     if not isinstance(obj, dict) or not obj:
-        raise InvalidField(param, f"'{param}' must be a non-empty object of layer index -> array of numbers")
+        raise InvalidField(
+            param, f"'{param}' must be a non-empty object of layer index -> array of numbers"
+        )
     out: dict[int, np.ndarray] = {}
     for key, values in obj.items():
         p = f"{param}.{key}"
@@ -185,21 +198,32 @@ def _parse_packed(obj: Any, shape: ModelShape | None, param: str) -> dict[int, n
         or len(dims) != 2
         or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in dims)
     ):
-        raise InvalidField(f"{param}.shape", f"'{param}.shape' must be [num_layers, hidden_size] of positive integers")
+        raise InvalidField(
+            f"{param}.shape",
+            f"'{param}.shape' must be [num_layers, hidden_size] of positive integers",
+        )
     rows, width = dims
     if shape is not None and width != shape.hidden_size:
         raise InvalidField(
-            f"{param}.shape", f"'{param}.shape' has width {width}; the model's hidden size is {shape.hidden_size}"
+            f"{param}.shape",
+            f"'{param}.shape' has width {width}; the model's hidden size is {shape.hidden_size}",
         )
     indices = obj.get("layer_indices")
-    if not isinstance(indices, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in indices):
-        raise InvalidField(f"{param}.layer_indices", f"'{param}.layer_indices' must be an array of integers")
+    if not isinstance(indices, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in indices
+    ):
+        raise InvalidField(
+            f"{param}.layer_indices", f"'{param}.layer_indices' must be an array of integers"
+        )
     if len(indices) != rows:
         raise InvalidField(
-            f"{param}.layer_indices", f"'{param}.layer_indices' has {len(indices)} entries but shape has {rows} rows"
+            f"{param}.layer_indices",
+            f"'{param}.layer_indices' has {len(indices)} entries but shape has {rows} rows",
         )
     if len(set(indices)) != len(indices):
-        raise InvalidField(f"{param}.layer_indices", f"'{param}.layer_indices' must not repeat a layer")
+        raise InvalidField(
+            f"{param}.layer_indices", f"'{param}.layer_indices' must not repeat a layer"
+        )
     for i in indices:
         _check_layer(i, shape, f"{param}.layer_indices")
     data = obj.get("data")
@@ -224,7 +248,8 @@ def _check_layer(layer: int, shape: ModelShape | None, param: str) -> None:
 def _check_vector(vec: np.ndarray, shape: ModelShape | None, param: str) -> None:
     if shape is not None and vec.shape != (shape.hidden_size,):
         raise InvalidField(
-            param, f"'{param}' has length {vec.size}; the model's hidden size is {shape.hidden_size}"
+            param,
+            f"'{param}' has length {vec.size}; the model's hidden size is {shape.hidden_size}",
         )
     if not np.isfinite(vec).all():
         raise InvalidField(param, f"'{param}' contains NaN or Inf")

@@ -55,9 +55,21 @@ class RedisProcess:
         if exe is None:
             raise RuntimeError("redis-server is not installed (.ci/run installs it)")
         self.proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self.dir],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                exe,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                self.dir,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         if not wait_port(self.port, 10):
             raise RuntimeError("redis-server did not start")
@@ -106,15 +118,32 @@ class EngineProcess:
         return {"Authorization": f"Bearer {self.token}"}
 
     def start(self, timeout: float = 400.0) -> EngineProcess:
-        env = {**os.environ, "STEERGATE_ENGINE_TOKEN": self.token, "VLLM_CPU_KVCACHE_SPACE": "1",
-               **self.env}
+        env = {
+            **os.environ,
+            "STEERGATE_ENGINE_TOKEN": self.token,
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            **self.env,
+        }
         CACHE.mkdir(parents=True, exist_ok=True)
         self.log_path = CACHE / f"engine-{self.port}.log"
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "shared.cli", "engine", "--model", str(self.model),
-             "--port", str(self.port), *self.extra_args],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                sys.executable,
+                "-m",
+                "shared.cli",
+                "engine",
+                "--model",
+                str(self.model),
+                "--port",
+                str(self.port),
+                *self.extra_args,
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

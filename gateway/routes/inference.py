@@ -30,7 +30,6 @@ from shared.scoping import scope
 log = logging.getLogger("steergate.gateway.inference")
 
 
-
 class PlainRoute(APIRoute):
     """Listed in the OpenAPI schema like any route, but served as a plain Starlette
     endpoint: FastAPI's per-request dependency solving and response validation cost

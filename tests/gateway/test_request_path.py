@@ -11,7 +11,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.gateway.conftest import FakeEngine, make_tenant
+from tests.gateway.conftest import DEFAULT_REDIS_TIMEOUT_S, FakeEngine, make_tenant
 from tests.gateway.servers import ServerThread
 
 CHAT = "/v1/chat/completions"
@@ -351,8 +351,9 @@ def test_engine_down_is_502(start_gateway: Any, redis_url: str) -> None:
 
 
 def test_redis_down_is_503_within_1s_then_recovers(
-    gateway: ServerThread, redis_server: Any, redis_url: str
+    start_gateway: Any, redis_server: Any, redis_url: str
 ) -> None:
+    gateway = start_gateway(redis_timeout_s=DEFAULT_REDIS_TIMEOUT_S)
     key = make_tenant(redis_url, "acme", rpm=100_000, max_concurrency=1000)
     assert post(gateway, key, chat_body()).status_code == 200
     redis_server.stop()
@@ -474,11 +475,13 @@ def test_nan_in_packed_vector_is_400(gateway: ServerThread, redis_url: str) -> N
 
 
 def test_hung_redis_is_503_within_1s_then_recovers(
-    gateway: ServerThread, redis_server: Any, redis_url: str
+    start_gateway: Any, redis_server: Any, redis_url: str
 ) -> None:
     """A Redis that accepts connections but never answers (SIGSTOP) must not hang requests."""
     import os
     import signal
+
+    gateway = start_gateway(redis_timeout_s=DEFAULT_REDIS_TIMEOUT_S)
 
     key = make_tenant(redis_url, "acme", rpm=100_000, max_concurrency=1000)
     assert post(gateway, key, chat_body()).status_code == 200

@@ -14,7 +14,10 @@ from shared.scoping import check_conversation_id, scope, unscope
 
 def test_gguf_control_vector_round_trips_layer_by_layer() -> None:
     rng = np.random.default_rng(0)
-    layers = {1: rng.standard_normal(16).astype(np.float32), 3: rng.standard_normal(16).astype(np.float32)}
+    layers = {
+        1: rng.standard_normal(16).astype(np.float32),
+        3: rng.standard_normal(16).astype(np.float32),
+    }
     decoded = decode_gguf_control_vector(encode_gguf_control_vector(layers))
     assert sorted(decoded) == [1, 3]
     for layer, values in layers.items():

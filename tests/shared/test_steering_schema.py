@@ -78,15 +78,30 @@ def test_bfloat16_packed_is_widened_exactly() -> None:
     [
         ("calm", "steering"),
         ({"vectors": [{"hook": "mid_block", "layers": {"0": vec()}}]}, "steering.vectors[0].hook"),
-        ({"vectors": [{"hook": "post_block", "layers": {"4": vec()}}]}, "steering.vectors[0].layers.4"),
-        ({"vectors": [{"hook": "post_block", "layers": {"-1": vec()}}]}, "steering.vectors[0].layers.-1"),
-        ({"vectors": [{"hook": "post_block", "layers": {"1": [0.1] * 7}}]}, "steering.vectors[0].layers.1"),
-        ({"vectors": [{"hook": "post_block", "layers": {"1": [*vec()[:7], float("nan")]}}]},
-         "steering.vectors[0].layers.1"),
-        ({"vectors": [{"hook": "post_block", "layers": {"1": [*vec()[:7], 1e39]}}]},
-         "steering.vectors[0].layers.1"),
-        ({"vectors": [{"hook": "post_block", "layers": {"1": [*vec()[:7], "x"]}}]},
-         "steering.vectors[0].layers.1"),
+        (
+            {"vectors": [{"hook": "post_block", "layers": {"4": vec()}}]},
+            "steering.vectors[0].layers.4",
+        ),
+        (
+            {"vectors": [{"hook": "post_block", "layers": {"-1": vec()}}]},
+            "steering.vectors[0].layers.-1",
+        ),
+        (
+            {"vectors": [{"hook": "post_block", "layers": {"1": [0.1] * 7}}]},
+            "steering.vectors[0].layers.1",
+        ),
+        (
+            {"vectors": [{"hook": "post_block", "layers": {"1": [*vec()[:7], float("nan")]}}]},
+            "steering.vectors[0].layers.1",
+        ),
+        (
+            {"vectors": [{"hook": "post_block", "layers": {"1": [*vec()[:7], 1e39]}}]},
+            "steering.vectors[0].layers.1",
+        ),
+        (
+            {"vectors": [{"hook": "post_block", "layers": {"1": [*vec()[:7], "x"]}}]},
+            "steering.vectors[0].layers.1",
+        ),
         ({"vectors": [{"name": "a", "scale": float("inf")}]}, "steering.vectors[0].scale"),
         ({"vectors": [{"name": "a", "scale": True}]}, "steering.vectors[0].scale"),
         ({"vectors": [{"name": "a"}], "phase": "later"}, "steering.phase"),
@@ -118,8 +133,10 @@ def packed(**over: object) -> dict:
         (packed(dtype="int8"), "steering.vectors[0].packed.dtype"),
         (packed(layer_indices=[0, 9]), "steering.vectors[0].packed.layer_indices"),
         (packed(layer_indices=[1, 1]), "steering.vectors[0].packed.layer_indices"),
-        (packed(data=base64.b64encode(np.full(16, np.nan, np.float32).tobytes()).decode()),
-         "steering.vectors[0].packed.data"),
+        (
+            packed(data=base64.b64encode(np.full(16, np.nan, np.float32).tobytes()).decode()),
+            "steering.vectors[0].packed.data",
+        ),
     ],
 )
 def test_invalid_packed_names_the_field(obj: object, param: str) -> None:
