@@ -145,6 +145,17 @@ async def throughput(
     return done / (time.perf_counter() - t0), errors
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux ``/proc``; 0 elsewhere).
+    CPU per request is the figure that stays put on a busy machine, where latency
+    and throughput mostly measure the scheduler."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 #: Commands a client sends itself (everything else in commandstats runs inside Lua).
 SENT_BY_CLIENT = {"evalsha", "eval", "script|load", "script|exists", "publish"}
 
@@ -243,7 +254,10 @@ def main() -> int:
         direct_rps, _ = asyncio.run(
             throughput(mock_port, CHAT, {}, args.seconds / 2, args.concurrency)
         )
+        cpu0 = cpu_seconds(procs[1].pid)
+        t0 = time.perf_counter()
         rps, errors = asyncio.run(throughput(gw_port, CHAT, gh, args.seconds, args.concurrency))
+        gw_cpu_us = (cpu_seconds(procs[1].pid) - cpu0) / (rps * (time.perf_counter() - t0)) * 1e6
         d50, d99 = statistics.median(direct), pct(direct, 99)
         g50, g99 = statistics.median(via), pct(via, 99)
         print(f"direct  p50 {d50:.3f} ms  p99 {d99:.3f} ms")
@@ -253,6 +267,7 @@ def main() -> int:
             f"throughput c={args.concurrency}: {rps:.0f} req/s ({errors} errors); "
             f"same client straight to the mock: {direct_rps:.0f} req/s"
         )
+        print(f"gateway process CPU per request at c={args.concurrency}: {gw_cpu_us:.0f} us")
         inside = sum(v for k, v in sent.items() if k not in SENT_BY_CLIENT)
         print(
             "redis per request (c=1): "

@@ -215,7 +215,7 @@ class Response:
             yield chunk
 
     async def read(self) -> bytes:
-        parts = []
+        parts: list[bytes] = []
         while True:
             chunk = await self._conn.next_chunk(self._timeout)
             if chunk is None:

@@ -350,6 +350,18 @@ def test_engine_down_is_502(start_gateway: Any, redis_url: str) -> None:
     assert httpx.get(gw.url + "/readyz").status_code == 503
 
 
+def test_engine_read_timeout_is_504_and_the_next_request_is_served(
+    start_gateway: Any, redis_url: str
+) -> None:
+    gw = start_gateway(engine_read_timeout_s=0.3)
+    key = make_tenant(redis_url, "acme")
+    r = post(gw, key, chat_body(fake_delay=1.0))
+    assert r.status_code == 504 and r.json()["error"]["code"] == "engine_timeout"
+    assert "x-ratelimit-limit-requests" in r.headers
+    # The timed-out engine connection is closed, never reused for the next request.
+    assert post(gw, key, chat_body()).status_code == 200
+
+
 def test_redis_down_is_503_within_1s_then_recovers(
     start_gateway: Any, redis_server: Any, redis_url: str
 ) -> None:
