@@ -126,7 +126,7 @@ class EngineProcess:
         }
         CACHE.mkdir(parents=True, exist_ok=True)
         self.log_path = CACHE / f"engine-{self.port}.log"
-        log = open(self.log_path, "wb")
+        log = open(self.log_path, "ab")  # a restart appends
         self.proc = subprocess.Popen(
             [
                 sys.executable,
