@@ -57,7 +57,8 @@ def main() -> None:
     print(f"hidden={args.hidden} ops={args.ops} caps={max_count} latches / {max_bytes >> 20} MiB")
     for key in ("store_us", "use_us", "delete_us"):
         med = statistics.median(r[key] for r in runs)
-        print(f"{key[:-3]:>7}: {med:6.2f} us/op  ({1e6 / med:,.0f} ops/s), median of {args.repeats}")
+        rate = 1e6 / med
+        print(f"{key[:-3]:>7}: {med:6.2f} us/op  ({rate:,.0f} ops/s), median of {args.repeats}")
     print(f"evictions per run: {int(runs[0]['evictions'])}")
     print(f"bytes per by-value latch: {4 * args.hidden} (one float32 vector), by-ref: 0")
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
-
+from shared.asgi import send_error
 from shared.errors import APIError
 
 Scope = dict[str, Any]
@@ -68,16 +67,4 @@ class BodyLimitMiddleware:
 
 async def _too_large(send: Any, limit: int) -> None:
     err = APIError(413, "request_too_large", f"Request body exceeds {limit} bytes.")
-    body = orjson.dumps(err.body())
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 413,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"connection", b"close"),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
+    await send_error(send, err, [(b"connection", b"close")])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hmac
 
-from engine.http.asgi import ASGIApp, Receive, Scope, Send, header, send_error
+from shared.asgi import ASGIApp, Receive, Scope, Send, header, send_error
 from shared.errors import APIError
 
 

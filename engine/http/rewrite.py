@@ -18,7 +18,10 @@ import hashlib
 import json
 from typing import Any
 
-from engine.http.asgi import (
+from engine.http.runtime import RuntimeRef, SteeringRuntime
+from engine.payload import XARGS_KEY, encode_payload
+from engine.resolve import Resolution, resolve_turn
+from shared.asgi import (
     ASGIApp,
     Message,
     RawHeaders,
@@ -31,9 +34,6 @@ from engine.http.asgi import (
     replay,
     send_error,
 )
-from engine.http.runtime import RuntimeRef, SteeringRuntime
-from engine.payload import XARGS_KEY, encode_payload
-from engine.resolve import Resolution, resolve_turn
 from shared.errors import APIError, InvalidField
 from shared.scoping import ENGINE_CONVERSATION_ID_RE
 from shared.steering import parse_steering

@@ -1,5 +1,5 @@
-"""Small raw-ASGI helpers shared by the middlewares (no Starlette request objects,
-so nothing buffers a streamed response)."""
+"""Small raw-ASGI helpers shared by the engine's and the gateway's middlewares (no
+Starlette request objects, so nothing buffers a streamed response)."""
 
 from __future__ import annotations
 
