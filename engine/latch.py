@@ -15,6 +15,7 @@ No vLLM, torch or I/O here, so it is unit- and property-testable on its own.
 from __future__ import annotations
 
 import builtins
+import functools
 import logging
 import time
 from collections import OrderedDict
@@ -24,13 +25,12 @@ from typing import Any, Literal
 
 import numpy as np
 
+from shared.engine_api import LatchState
+from shared.latch_spec import LatchSpec, latch_digest
+
 log = logging.getLogger("steergate.latch")
 
 Site = tuple[str, int]  # (hook, layer)
-
-# Every value of the ``x-steering-latch`` header the engine produces
-# (``evicted_quota`` is the gateway's).
-LatchState = Literal["none", "latched", "replaced", "bridged", "refused_oversize", "dropped_stale"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,22 @@ class Latch:
     @property
     def kind(self) -> Literal["value", "ref"]:
         return "value" if self.value_sites else "ref"
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """The latch's identity, equal to :attr:`LatchSpec.digest` of the same latch
+        (how the gateway and an engine agree on which latch a conversation holds)."""
+        return latch_digest(self.phase, self.value_sites, self._ref_tuples())
+
+    def spec(self) -> LatchSpec:
+        return LatchSpec(self.phase, dict(self.value_sites), self._ref_tuples())
+
+    @classmethod
+    def from_spec(cls, spec: LatchSpec) -> Latch:
+        return cls(spec.phase, dict(spec.sites), tuple(RefTerm(*r) for r in spec.refs))
+
+    def _ref_tuples(self) -> tuple[tuple[str, str, float], ...]:
+        return tuple((r.name, r.digest, r.scale) for r in self.refs)
 
 
 @dataclass
@@ -182,6 +198,7 @@ class LatchController:
                 "conversation_id": cid,
                 "bytes": e.nbytes,
                 "kind": e.latch.kind,
+                "digest": e.latch.digest,
                 "last_used": e.last_used,
             }
             for cid, e in self._entries.items()

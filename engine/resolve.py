@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.latch import Latch, LatchController, LatchState, RefTerm, Site
+from engine.latch import Latch, LatchController, RefTerm, Site
 from engine.registry import VectorRegistry
-from shared.errors import InvalidField
-from shared.steering import InlineTerm, NamedTerm, SteeringRequest
+from shared.engine_api import LatchState
+from shared.errors import APIError, InvalidField
+from shared.latch_spec import LatchSpec, accumulate, sum_inline
+from shared.steering import InlineTerm, NamedTerm, SteeringRequest, check_sites_finite
 
 
 @dataclass(frozen=True)
@@ -34,17 +36,47 @@ class Resolution:
         return bool(self.sites)
 
 
+@dataclass(frozen=True)
+class Expect:
+    """What the gateway (the system of record) says this engine must hold for the
+    turn; see ``shared.engine_api.EXPECT_FIELD``. Absent for direct callers, which
+    keep the single-tenant behaviour (unknown names are 400s, missing latches ``none``)."""
+
+    vectors: Mapping[str, str] = field(default_factory=dict)
+    latch: str | None = None
+    restore: LatchSpec | None = None
+
+
+def cache_miss(code: str, what: str) -> APIError:
+    """409 ``vector_missing`` / ``latch_missing``: this engine's cache lacks state the
+    gateway holds. Raised before anything changes; the gateway installs and retries."""
+    return APIError(409, code, f"this engine does not hold the {what}; install it and retry")
+
+
 def resolve_turn(
     steering: SteeringRequest | None,
     conversation_id: str | None,
     registry: VectorRegistry,
     controller: LatchController,
+    expect: Expect | None = None,
 ) -> Resolution:
-    """Raises :class:`InvalidField` before any latch changes, so a rejected request
-    never stores, replaces or drops a latch."""
+    """Raises :class:`InvalidField` (or a 409 cache miss) before any latch changes, so
+    a rejected request never stores, replaces or drops a latch."""
     if steering is None:
         if conversation_id is None:
             return Resolution("none")
+        if expect is not None and expect.restore is not None:
+            return _restore(expect.restore, conversation_id, registry, controller)
+        if expect is not None and expect.latch == "":
+            # The system of record holds no latch (never stored, evicted by the tenant's
+            # quota, deleted): a copy cached here must not steer this turn.
+            controller.delete(conversation_id)
+            return Resolution("none")
+        if expect is not None and expect.latch is not None:
+            held = controller.get(conversation_id)
+            if held is None or held.digest != expect.latch:
+                raise cache_miss("latch_missing", "conversation's latch")
+            _require_vectors((r.name for r in held.refs), registry)
         used, latch = controller.use(conversation_id, registry.digest_of)
         if latch is None:
             return Resolution(used)
@@ -57,22 +89,13 @@ def resolve_turn(
             code="latch_without_conversation_id",
         )
     value_sites = sum_inline(t for t in steering.terms if isinstance(t, InlineTerm))
-    refs = _refs(steering, registry)
+    refs = _refs(steering, registry, expect)
     sites = combine(value_sites, refs, registry)
+    check_sites_finite(sites)  # each term finite, their sum or a named term's may not be
     state: LatchState = "none"
     if steering.latch and conversation_id is not None:
         state = controller.store(conversation_id, Latch(steering.phase, value_sites, refs))
     return Resolution(state, steering.phase, sites)
-
-
-def sum_inline(terms: Iterable[InlineTerm]) -> dict[Site, np.ndarray]:
-    """By-value part: one float32 vector per distinct (hook, layer)."""
-    sites: dict[Site, np.ndarray] = {}
-    for term in terms:
-        scale = np.float32(term.scale)
-        for layer, vec in term.layers.items():
-            _accumulate(sites, (term.hook, int(layer)), vec, scale)
-    return sites
 
 
 def combine(
@@ -91,28 +114,45 @@ def combine(
             raise KeyError(ref.name)
         scale = np.float32(ref.scale)
         for layer, vec in vector.layers.items():
-            _accumulate(sites, (vector.hook, int(layer)), vec, scale)
+            accumulate(sites, (vector.hook, int(layer)), vec, scale)
     return sites
 
 
-def _refs(steering: SteeringRequest, registry: VectorRegistry) -> tuple[RefTerm, ...]:
+def _restore(
+    spec: LatchSpec, conversation_id: str, registry: VectorRegistry, controller: LatchController
+) -> Resolution:
+    """Install the gateway's copy of the conversation's latch, then bridge with it.
+    A by-reference term whose vector now has other content makes it stale, exactly as
+    :meth:`LatchController.use` would have found."""
+    latch = Latch.from_spec(spec)
+    _require_vectors((r.name for r in latch.refs), registry)
+    if any(registry.digest_of(r.name) != r.digest for r in latch.refs):
+        controller.delete(conversation_id)
+        return Resolution("dropped_stale")
+    # Stored under the engine's own caps (it may evict other cached latches, never
+    # lose them: Redis keeps them). One too large to keep still steers this turn.
+    controller.store(conversation_id, latch)
+    return Resolution("restored", latch.phase, combine(latch.value_sites, latch.refs, registry))
+
+
+def _require_vectors(names: Iterable[str], registry: VectorRegistry) -> None:
+    if any(registry.get(name) is None for name in names):
+        raise cache_miss("vector_missing", "named vectors of this turn")
+
+
+def _refs(
+    steering: SteeringRequest, registry: VectorRegistry, expect: Expect | None = None
+) -> tuple[RefTerm, ...]:
     refs = []
     for term in steering.terms:
         if not isinstance(term, NamedTerm):
             continue
         digest = registry.digest_of(term.name)
+        if expect is not None and term.name in expect.vectors:
+            if digest != expect.vectors[term.name]:
+                raise cache_miss("vector_missing", "named vectors of this turn")
         if digest is None:
             param = f"steering.vectors[{term.index}].name"
             raise InvalidField(param, f"'{param}': no vector with this name", code="unknown_vector")
         refs.append(RefTerm(term.name, digest, term.scale))
     return tuple(refs)
-
-
-def _accumulate(
-    sites: dict[Site, np.ndarray], site: Site, vec: np.ndarray, scale: np.float32
-) -> None:
-    scaled = np.asarray(vec, dtype=np.float32) * scale
-    if site in sites:
-        sites[site] = sites[site] + scaled
-    else:
-        sites[site] = scaled.astype(np.float32, copy=True)

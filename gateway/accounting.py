@@ -24,11 +24,10 @@ from gateway import keys
 from gateway.limits import Admission
 from gateway.scripts import Scripts, evalsha
 from gateway.store import Redis
+from shared.engine_api import DROP_STATES, KEEP_STATES
 
 log = logging.getLogger("steergate.gateway.accounting")
 
-KEEP_STATES = {"latched", "replaced", "evicted_quota"}
-DROP_STATES = {"refused_oversize", "dropped_stale"}
 
 DeleteLatch = Callable[[str, str], Awaitable[None]]  # (tenant_id, client conversation id)
 
@@ -64,10 +63,8 @@ def latch_action(o: Outcome) -> str:
         if o.latch_state in KEEP_STATES:
             return "keep"
         return "restore"  # failed or not stored: put the earlier latch state back
-    if o.latch_state == "none" and not o.steered and 200 <= o.status < 300:
-        # A plain turn of a conversation we count as latched was not bridged: the
-        # engine no longer holds it (e.g. evicted by its own caps). Stop counting it.
-        return "drop"
+    # An engine that lacks a latch Redis holds asks for it (409 latch_missing) instead of
+    # answering "none", so a plain turn never tells us a latch is gone: Redis keeps it.
     return ""
 
 

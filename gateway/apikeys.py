@@ -14,7 +14,7 @@ import secrets
 
 KEY_PREFIX = "sk-sg-"
 #: Random part: 32 bytes -> 43 urlsafe base64 characters (no padding).
-_KEY_RE = re.compile(r"^sk-sg-[A-Za-z0-9_-]{43}$")
+_KEY_RE = re.compile(r"\Ask-sg-[A-Za-z0-9_-]{43}\Z")  # \Z, not $: "$" passes a final "\n"
 #: How much of a key is shown back (lists, dashboard): "sk-sg-" + 6 random chars,
 #: 36 bits — enough to tell keys apart, far too little to guess the rest.
 DISPLAY_CHARS = 12
@@ -35,7 +35,7 @@ def display_prefix(key: str) -> str:
 
 def looks_like_key(key: str) -> bool:
     """Cheap shape check, so garbage never costs a Redis round trip."""
-    return bool(_KEY_RE.match(key))
+    return _KEY_RE.fullmatch(key) is not None
 
 
 def hash_key(pepper: str, key: str) -> str:

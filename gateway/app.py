@@ -19,19 +19,19 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway import keys
+from gateway import keys, openapi
 from gateway.accounting import Settler
 from gateway.deps import Services
+from gateway.engine_sync import EngineSync
+from gateway.engines import EngineClient
 from gateway.limits import Limiter
 from gateway.middleware import BodyLimitMiddleware
-from gateway.reconcile import Reconciler
 from gateway.routes import health, inference, latches, vectors
 from gateway.scripts import Scripts
-from gateway.store import Redis, connect, is_embedded
+from gateway.store import Redis, connect
 from gateway.tenants import TenantStore
-from gateway.upstream import Engine, EnginePool
+from gateway.upstream import EnginePool
 from shared.errors import APIError, error_body
-from shared.scoping import scope
 from shared.settings import GatewaySettings
 
 log = logging.getLogger("steergate.gateway")
@@ -56,15 +56,17 @@ def build_services(
         connect_timeout_s=settings.engine_connect_timeout_s,
         read_timeout_s=settings.engine_read_timeout_s,
     )
-
-    async def delete_latch(tenant_id: str, conv: str) -> None:
-        await pool.broadcast("DELETE", f"/v1/steering/latches/{scope(tenant_id, conv)}")
+    engines = EngineClient(pool)
+    sync = EngineSync(redis, engines, full_sync_interval_s=settings.engine_sync_interval_s)
+    pool.on_dirty = sync.sync
 
     async def on_tenant_deleted(tenant_id: str, latch_ids: list[str], names: list[str]) -> None:
+        # Best effort: an engine that misses one of these is marked dirty, and the sync
+        # deletes the rest when it is back (the tenant is gone from Redis by now).
         for conv in latch_ids:
-            await delete_latch(tenant_id, conv)
+            await engines.delete_latch_everywhere(tenant_id, conv)
         for name in names:
-            await pool.broadcast("DELETE", f"/v1/steering/vectors/{scope(tenant_id, name)}")
+            await engines.delete_vector_everywhere(tenant_id, name)
 
     tenants = TenantStore(
         redis,
@@ -72,25 +74,19 @@ def build_services(
         engine_caps=pool.caps,
         on_deleted=on_tenant_deleted,
     )
-    reconciler = Reconciler(redis, scripts, pool)
-
-    async def on_epoch_change(engine: Engine) -> None:
-        await reconciler.all()
-
-    pool.on_epoch_change = on_epoch_change
     return Services(
         settings=settings,
         redis=redis,
         scripts=scripts,
         tenants=tenants,
-        pool=pool,
+        engines=engines,
+        sync=sync,
         limiter=Limiter(
             scripts,
             lease_ttl_s=settings.engine_read_timeout_s + 60,
             fail_open=settings.rate_limit_fail_open,
         ),
-        settler=Settler(redis, scripts, delete_latch),
-        reconciler=reconciler,
+        settler=Settler(redis, scripts, engines.delete_latch_everywhere),
     )
 
 
@@ -104,8 +100,6 @@ def create_app(settings: GatewaySettings | None = None, *, redis: Redis | None =
         # Accessors for the admin / usage / dashboard / metrics routers.
         app.state.settings = settings
         app.state.tenants = svc.tenants
-        app.state.engines = svc.pool
-        app.state.embedded_store = is_embedded(svc.redis)
         stop = asyncio.Event()
         tasks = [
             asyncio.create_task(svc.tenants.listen_for_invalidations(stop)),
@@ -119,28 +113,41 @@ def create_app(settings: GatewaySettings | None = None, *, redis: Redis | None =
             await asyncio.wait(tasks, timeout=2.0)
             for t in tasks:
                 t.cancel()
-            await svc.pool.aclose()
+            await svc.engines.pool.aclose()
             with contextlib.suppress(Exception):
                 await svc.redis.aclose()
 
-    app = FastAPI(title="steergate gateway", version="0.1.0", lifespan=lifespan)
+    # No /docs or /redoc (FastAPI's load Swagger UI / ReDoc from a CDN), and the schema
+    # only behind the admin key: see gateway/openapi.py.
+    app = FastAPI(
+        title="steergate gateway",
+        version="0.1.0",
+        lifespan=lifespan,
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
+    )
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     _install_error_handlers(app)
     for router_module in (inference, vectors, latches, health):
         app.include_router(router_module.router)
     for name in OPTIONAL_ROUTERS:
         _include_optional(app, name)
+    openapi.install(app)
     return app
 
 
 async def _start_engines(svc: Services, stop: asyncio.Event) -> None:
-    """First engine poll, a startup reconciliation (engines may have restarted while
-    this gateway was down), then periodic polling."""
-    with contextlib.suppress(Exception):
-        await svc.pool.refresh()
-        if svc.pool.shape() is not None:
-            await svc.reconciler.all()
-    await svc.pool.poll(stop, svc.settings.reconcile_interval_s)
+    """Poll the engines: info (shape, caps, epoch, health), a sync of each dirty engine
+    right after, and a periodic sync of every engine (``gateway/engine_sync.py``)."""
+    while not stop.is_set():
+        try:
+            await svc.engines.pool.refresh()
+            await svc.sync.periodic()
+        except Exception as exc:  # never let the poller die; the next round retries
+            log.warning("engine poll failed: %s", type(exc).__name__)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), svc.settings.reconcile_interval_s)
 
 
 def _include_optional(app: FastAPI, module_name: str) -> None:

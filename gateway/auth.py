@@ -1,4 +1,5 @@
-"""Authentication dependencies: ``Bearer sk-sg-...`` -> Tenant, and the admin key.
+"""Authentication dependencies: ``Bearer sk-sg-...`` -> Tenant, the admin key, and the
+scrape token for ``/metrics``.
 
 Nothing here ever logs or echoes key material: failures say only that the key is
 invalid.
@@ -52,6 +53,19 @@ async def require_admin(request: Request) -> None:
     if token and await request.app.state.tenants.resolve_key(token) is not None:
         raise APIError(403, "permission_denied", "This route needs the admin key.")
     raise _invalid()
+
+
+async def require_metrics_reader(request: Request) -> None:
+    """``GET /metrics``: the scrape token (``STEERGATE_METRICS_TOKEN``) or the admin key.
+
+    The scrape token exists so that Prometheus need not hold the admin key: it opens
+    ``/metrics`` and nothing else. Otherwise the same answers as ``require_admin``."""
+    token = _bearer(request)
+    scrape = request.app.state.settings.metrics_token
+    expected = scrape.get_secret_value() if scrape is not None else ""
+    if token and expected and same_secret(token, expected):
+        return
+    await require_admin(request)
 
 
 TenantDep = Annotated[Tenant, Depends(get_tenant)]

@@ -8,12 +8,12 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from gateway.accounting import Settler
+from gateway.engine_sync import EngineSync
+from gateway.engines import EngineClient
 from gateway.limits import Limiter
-from gateway.reconcile import Reconciler
 from gateway.scripts import Scripts
 from gateway.store import Redis
 from gateway.tenants import TenantStore
-from gateway.upstream import EnginePool
 from shared.settings import GatewaySettings
 
 
@@ -25,10 +25,10 @@ class Services:
     redis: Redis
     scripts: Scripts
     tenants: TenantStore
-    pool: EnginePool
+    engines: EngineClient
+    sync: EngineSync
     limiter: Limiter
     settler: Settler
-    reconciler: Reconciler
 
 
 def get_services(request: Request) -> Services:

@@ -10,13 +10,16 @@ added latency (see docs/gateway.md, Performance).
 
 Errors: :class:`ConnectError` (could not connect, incl. connect timeout),
 :class:`ReadTimeout` (no bytes for ``read_timeout_s``), :class:`ProtocolError`
-(the connection broke or the answer was not HTTP). All are :class:`HTTPError`.
+(the connection broke or the answer was not HTTP), :class:`InvalidRequest` (refused
+before any connection was used: a request target or header that would not be one
+well-formed HTTP/1.1 request). All are :class:`HTTPError`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import re
 import ssl
 from collections.abc import AsyncIterator
 from typing import Any
@@ -44,6 +47,43 @@ class ReadTimeout(HTTPError):
 
 class ProtocolError(HTTPError):
     pass
+
+
+class InvalidRequest(HTTPError):
+    """Refused before sending: the request line or a header would not be what the
+    caller meant (a CR/LF in it would end the line early and let the rest be read
+    as more head or another request). A caller bug, never the engine's fault."""
+
+
+class InvalidRequestTarget(InvalidRequest):
+    pass
+
+
+class InvalidHeader(InvalidRequest):
+    pass
+
+
+#: A request target is visible ASCII only (RFC 9112 3.2): no space, control
+#: character, DEL or non-ASCII byte. Callers percent-encode anything else.
+_TARGET = re.compile(r"[\x21-\x7e]+")
+_METHOD = re.compile(r"[A-Z]+")
+#: Header names are tokens; values may hold anything but CR, LF and NUL.
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_HEADER_BAD = re.compile(r"[\r\n\x00]")
+
+
+def check_target(method: str, target: str) -> None:
+    """Raise :class:`InvalidRequestTarget` unless ``method target`` is a safe request line."""
+    if not _METHOD.fullmatch(method) or not _TARGET.fullmatch(target) or target[0] != "/":
+        raise InvalidRequestTarget(
+            "refused to send a request whose method or target holds a space, control, "
+            "DEL or non-ASCII character"  # never the target itself: it may hold scoped ids
+        )
+
+
+def check_header(name: str, value: str) -> None:
+    if not _HEADER_NAME.fullmatch(name) or _HEADER_BAD.search(value) or not value.isascii():
+        raise InvalidHeader(f"refused to send header {name[:40]!r}: CR, LF, NUL or non-ASCII")
 
 
 class _Conn(asyncio.Protocol):
@@ -298,6 +338,8 @@ class Client:
     ) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
+        for name, value in headers.items():
+            check_header(name, value)
         self._base = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
         self._pools: dict[str, _Pool] = {}
         self._heads: dict[tuple[str, str], bytes] = {}
@@ -329,7 +371,11 @@ class Client:
         read_timeout_s: float | None = None,
     ) -> Response:
         """Send a request to ``origin`` (``http://host:port``) for ``target`` (path
-        and query) and wait for the response head."""
+        and query) and wait for the response head. Raises :class:`InvalidRequest`
+        before touching a connection if ``target`` or ``content_type`` is unsafe."""
+        check_target(method, target)
+        if content_type is not None:
+            check_header("content-type", content_type)
         pool = self._pool(origin)
         timeout = self.read_timeout_s if read_timeout_s is None else read_timeout_s
         extra = f"content-type: {content_type}\r\n" if content_type else ""

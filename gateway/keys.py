@@ -80,7 +80,8 @@ def latches(tenant_id: str) -> str:
 
 
 def latch_info(tenant_id: str) -> str:
-    """Hash client conversation_id -> "<bytes>:<value|ref>"."""
+    """Hash client conversation_id -> "<bytes>:<value|ref>[:<latch digest>]" (the digest
+    is written once the engine has stored the latch, with its spec)."""
     return _t(tenant_id, "latch:info")
 
 
@@ -89,9 +90,21 @@ def latch_bytes(tenant_id: str) -> str:
     return _t(tenant_id, "latch:bytes")
 
 
+def latch_specs(tenant_id: str) -> str:
+    """Hash client conversation_id -> the latch's spec (``shared.latch_spec``, engine-side
+    names): what restores the latch on any engine. The system of record for latches."""
+    return _t(tenant_id, "latch:specs")
+
+
 def vectors(tenant_id: str) -> str:
     """Hash client vector name -> JSON metadata {digest, bytes, layers, hook, ...}."""
     return _t(tenant_id, "vectors")
+
+
+def vector_data(tenant_id: str) -> str:
+    """Hash client vector name -> JSON body of the engine's vector PUT ({hook, packed,
+    description?}): what installs the vector on any engine. The system of record."""
+    return _t(tenant_id, "vectors:data")
 
 
 def admit_keys(tenant_id: str, minute: int) -> list[str]:
@@ -105,7 +118,24 @@ def admit_keys(tenant_id: str, minute: int) -> list[str]:
         latches(tenant_id),
         latch_info(tenant_id),
         latch_bytes(tenant_id),
+        latch_specs(tenant_id),
+        vectors(tenant_id),
     ]
+
+
+def latch_keys(tenant_id: str) -> list[str]:
+    """KEYS of drop_latch.lua and keep_latch.lua, in their order."""
+    return [
+        latches(tenant_id),
+        latch_info(tenant_id),
+        latch_bytes(tenant_id),
+        latch_specs(tenant_id),
+    ]
+
+
+def vector_keys(tenant_id: str) -> list[str]:
+    """KEYS of put_vector.lua and drop_vector.lua, in their order."""
+    return [vectors(tenant_id), vector_data(tenant_id)]
 
 
 def all_tenant_keys(tenant_id: str, now_minute: int) -> list[str]:
@@ -121,6 +151,8 @@ def all_tenant_keys(tenant_id: str, now_minute: int) -> list[str]:
         latches(tenant_id),
         latch_info(tenant_id),
         latch_bytes(tenant_id),
+        latch_specs(tenant_id),
         vectors(tenant_id),
+        vector_data(tenant_id),
     ]
     return fixed + [usage_minute(tenant_id, m) for m in range(now_minute - window, now_minute + 2)]

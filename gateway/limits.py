@@ -51,10 +51,19 @@ class Admission:
     reserved_tokens: int
     conversation_id: str | None
     latch: bool
+    #: The conversation's ledger entry before this request ("bytes:kind[:digest]", "").
     prev_latch: str
     evicted: list[str]
     headers: dict[str, str] = field(default_factory=dict)
     unmetered: bool = False
+    #: Current content digest of each named vector the request uses ("" = no such vector).
+    vector_digests: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def latch_digest(self) -> str:
+        """Digest of the latch Redis holds for the conversation ("" = none)."""
+        parts = self.prev_latch.split(":")
+        return parts[2] if len(parts) > 2 else ""
 
 
 def estimate_tokens(body: dict[str, Any]) -> int:
@@ -127,6 +136,7 @@ class Limiter:
         latch: bool,
         latch_bytes: int,
         latch_kind: str,
+        vector_names: list[str] | None = None,
     ) -> Admission:
         lim = tenant.limits
         now_ms = int(time.time() * 1000)
@@ -149,6 +159,8 @@ class Limiter:
             lim.latch_bytes,
             lim.latch_policy,
             keys.USAGE_MINUTE_TTL_S,
+            len(vector_names or ()),
+            *(vector_names or ()),
         ]
         try:
             async with store_errors():
@@ -163,6 +175,8 @@ class Limiter:
                 tenant, lease_id, minute, 0, conversation_id, False, "", [], unmetered=True
             )
         headers = _headers(tenant, r)
+        names = list(vector_names or ())
+        n_names = len(names)
         status = int(r[0])
         if status:
             raise _rejection(status, tenant, int(r[1]), headers)
@@ -174,8 +188,11 @@ class Limiter:
             conversation_id=conversation_id,
             latch=latch,
             prev_latch=str(r[6] or ""),
-            evicted=[str(v) for v in r[7:]],
+            evicted=[str(v) for v in r[7 + n_names :]],
             headers=headers,
+            vector_digests={
+                n: str(d or "") for n, d in zip(names, r[7 : 7 + n_names], strict=True)
+            },
         )
 
 

@@ -15,8 +15,9 @@ from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BaseModel
 
+from gateway.engines import EngineClient
 from gateway.tenants import DEFAULT_ENGINE_CAPS, Tenant
-from gateway.upstream import Engine, EnginePool
+from gateway.upstream import Engine
 from shared.errors import APIError
 
 STATUS_TIMEOUT_S = 2.0
@@ -48,36 +49,30 @@ def display_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
 
 
-async def _status(pool: EnginePool, engine: Engine, timeout_s: float) -> EngineStatus:
-    status = await _ask(pool, engine, timeout_s)
+async def _status(engines: EngineClient, engine: Engine, timeout_s: float) -> EngineStatus:
+    status = await _ask(engines, engine, timeout_s)
     return status.model_copy(update={"url": display_url(engine.url)})
 
 
-async def _ask(pool: EnginePool, engine: Engine, timeout_s: float) -> EngineStatus:
+async def _ask(engines: EngineClient, engine: Engine, timeout_s: float) -> EngineStatus:
     try:
-        r = await asyncio.wait_for(
-            pool.request("GET", "/v1/steering/status", engine=engine), timeout_s
-        )
+        body = await asyncio.wait_for(engines.status(engine), timeout_s)
     except asyncio.TimeoutError:
         return EngineStatus(url=engine.url, up=False, info=engine.info, error="status timed out")
     except APIError as exc:
         return EngineStatus(url=engine.url, up=False, info=engine.info, error=exc.message)
-    if r.status != 200:
-        return EngineStatus(
-            url=engine.url, up=False, info=engine.info, error=f"status answered HTTP {r.status}"
-        )
-    try:
-        body = r.json()
     except ValueError:
         return EngineStatus(url=engine.url, up=False, info=engine.info, error="status was not JSON")
     return EngineStatus(url=engine.url, up=True, status=body, info=engine.info)
 
 
 async def engine_statuses(
-    pool: EnginePool, timeout_s: float = STATUS_TIMEOUT_S
+    engines: EngineClient, timeout_s: float = STATUS_TIMEOUT_S
 ) -> list[EngineStatus]:
     """``/v1/steering/status`` of every engine, concurrently."""
-    return list(await asyncio.gather(*(_status(pool, e, timeout_s) for e in pool.engines)))
+    return list(
+        await asyncio.gather(*(_status(engines, e, timeout_s) for e in engines.engines))
+    )
 
 
 def capacity(tenants: Sequence[Tenant], caps: tuple[int, int] | None) -> dict[str, CapacityUse]:

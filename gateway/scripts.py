@@ -20,8 +20,9 @@ class Scripts:
     admit_request: Any
     settle_request: Any
     drop_latch: Any
+    keep_latch: Any
     put_vector: Any
-    sync_latches: Any
+    drop_vector: Any
 
     @classmethod
     def load(cls, redis: Redis) -> Scripts:

@@ -55,10 +55,6 @@ def connect(url: str | None, timeout_s: float) -> Redis:
     return aioredis.Redis.from_url(url, health_check_interval=0, max_connections=256, **common)
 
 
-def is_embedded(client: Redis) -> bool:
-    return type(client).__module__.startswith("fakeredis")
-
-
 def lua_source(name: str) -> str:
     """The text of ``gateway/lua/<name>.lua``."""
     return (LUA_DIR / f"{name}.lua").read_text()

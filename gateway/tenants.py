@@ -96,10 +96,19 @@ OnTenantDeleted = Callable[[str, list[str], list[str]], Awaitable[None]]
 
 
 class AuthCache:
-    """Replica-local key-hash -> (tenant, key_id) cache with TTL and targeted drops."""
+    """Replica-local key-hash -> (tenant, key_id) cache with TTL and targeted drops.
+
+    ``generation`` counts invalidations (drops and clears). A resolver reads it
+    *before* its Redis lookup and hands it back to ``put``, which stores nothing if
+    any invalidation arrived in between: the lookup may have read the key just
+    before it was revoked, while the revocation's drop found no entry to remove, and
+    storing it then would keep a revoked key alive for the whole TTL. The counter is
+    cache-wide rather than per key because invalidations are rare and a skipped
+    write costs only one more Redis read."""
 
     def __init__(self, ttl_s: float = 30.0) -> None:
         self.ttl_s = ttl_s
+        self.generation = 0
         self._by_hash: dict[str, tuple[Tenant, str, float]] = {}
 
     def get(self, key_hash: str) -> Tenant | None:
@@ -111,18 +120,26 @@ class AuthCache:
             return None
         return hit[0]
 
-    def put(self, key_hash: str, tenant: Tenant, key_id: str) -> None:
+    def put(self, key_hash: str, tenant: Tenant, key_id: str, generation: int) -> bool:
+        """Store the entry unless an invalidation arrived since ``generation`` was
+        read (before the lookup that produced it). Returns whether it was stored."""
+        if generation != self.generation:
+            return False
         self._by_hash[key_hash] = (tenant, key_id, time.monotonic() + self.ttl_s)
+        return True
 
     def drop_key(self, key_id: str) -> None:
+        self.generation += 1
         for h in [h for h, (_, kid, _) in self._by_hash.items() if kid == key_id]:
             self._by_hash.pop(h, None)
 
     def drop_tenant(self, tenant_id: str) -> None:
+        self.generation += 1
         for h in [h for h, (t, _, _) in self._by_hash.items() if t.id == tenant_id]:
             self._by_hash.pop(h, None)
 
     def clear(self) -> None:
+        self.generation += 1
         self._by_hash.clear()
 
     def __len__(self) -> int:
@@ -292,6 +309,7 @@ class TenantStore:
         cached = self.cache.get(key_hash)
         if cached is not None:
             return cached
+        generation = self.cache.generation  # before the read: see AuthCache
         async with store_errors():
             owner = await self.redis.get(keys.key_lookup(key_hash))
             if not owner:
@@ -301,7 +319,7 @@ class TenantStore:
         if not raw:
             return None
         tenant = Tenant.from_record(raw)
-        self.cache.put(key_hash, tenant, key_id)
+        self.cache.put(key_hash, tenant, key_id, generation)
         return tenant
 
     # -- invalidation ------------------------------------------------------------
@@ -325,9 +343,14 @@ class TenantStore:
                 await pubsub.subscribe(keys.EVENTS_CHANNEL)
                 self.cache.clear()
                 while not stop.is_set():
-                    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2)
-                    if msg and msg.get("type") == "message":
-                        data = msg["data"]
+                    msg = await pubsub.get_message(timeout=0.2)
+                    kind = msg.get("type") if msg else None
+                    if kind == "subscribe":
+                        # Redis delivers events only from here on; an entry cached from
+                        # a read before this point may have missed its revocation.
+                        self.cache.clear()
+                    elif kind == "message":
+                        data = msg["data"]  # type: ignore[index]
                         self._on_event(data.decode() if isinstance(data, bytes) else str(data))
             except asyncio.CancelledError:
                 raise

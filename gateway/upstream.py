@@ -28,19 +28,13 @@ from urllib.parse import urlencode, urlsplit
 import orjson
 
 from gateway import http1
+from shared import engine_api
 from shared.errors import APIError
 from shared.steering import ModelShape
 
 log = logging.getLogger("steergate.gateway.upstream")
 
 JSON = "application/json"
-
-
-def quiet_http_client_logs() -> None:
-    """httpx logs every request URL at INFO, and engine URLs carry tenant-scoped ids
-    (``/v1/steering/latches/<tenant>~<id>``), which must never reach a log line."""
-    for name in ("httpx", "httpcore"):
-        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 class UpstreamBroken(Exception):
@@ -53,6 +47,9 @@ class Engine:
     healthy: bool = True
     inflight: int = 0
     info: dict[str, Any] | None = None
+    #: Its cache may disagree with Redis (it missed a write, restarted, or was away):
+    #: routed around while a clean engine is up, until ``engine_sync`` clears it.
+    dirty: bool = True
     #: ``scheme://host:port`` and the path prefix of ``url`` (engines may sit under one).
     origin: str = field(init=False, repr=False)
     base_path: str = field(init=False, repr=False)
@@ -98,14 +95,27 @@ class UpstreamStream:
             raise UpstreamBroken(type(exc).__name__) from exc
 
 
+class EngineUnreachable(APIError):
+    """502 before anything was sent (the connection could not be made): the caller may
+    send the same request to another engine."""
+
+
 def _unavailable(engine: Engine, exc: Exception) -> APIError:
     if isinstance(exc, http1.ReadTimeout):
         return APIError(504, "engine_timeout", "The inference engine timed out.")
+    if isinstance(exc, http1.InvalidRequest):
+        # Our bug, not the engine's: never mark it down for it, never show the target.
+        log.error("refused to send an ill-formed request to %s", engine.url)
+        return APIError(500, "internal_error", "Internal error.")
     engine.healthy = False
+    if isinstance(exc, http1.ConnectError):
+        return EngineUnreachable(
+            502, "engine_unavailable", "The inference engine is unavailable."
+        )
     return APIError(502, "engine_unavailable", "The inference engine is unavailable.")
 
 
-EpochCallback = Callable[[Engine], Awaitable[None]]
+SyncCallback = Callable[[Engine], Awaitable[None]]
 
 
 class EnginePool:
@@ -119,7 +129,6 @@ class EnginePool:
         connect_timeout_s: float = 5.0,
         read_timeout_s: float = 600.0,
     ) -> None:
-        quiet_http_client_logs()
         self.engines = [Engine(u) for u in urls]
         self._client = http1.Client(
             headers={"authorization": f"Bearer {token}"},
@@ -127,8 +136,9 @@ class EnginePool:
             read_timeout_s=read_timeout_s,
         )
         self._rr = 0
-        #: Called for an engine whose epoch changed (it restarted); set by the lifespan.
-        self.on_epoch_change: EpochCallback | None = None
+        #: Called for a healthy engine that is dirty (restarted, back from an outage or
+        #: missed a write) after each poll; set by the lifespan to ``EngineSync.sync``.
+        self.on_dirty: SyncCallback | None = None
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -136,7 +146,11 @@ class EnginePool:
     # -- routing -----------------------------------------------------------------
 
     def pick(self, affinity: str | None = None) -> Engine:
-        candidates = [e for e in self.engines if e.healthy] or self.engines
+        candidates = (
+            [e for e in self.engines if e.healthy and not e.dirty]
+            or [e for e in self.engines if e.healthy]
+            or self.engines
+        )
         if len(candidates) == 1:
             return candidates[0]
         if affinity:
@@ -247,13 +261,13 @@ class EnginePool:
         )
 
     async def refresh(self) -> None:
-        """Fetch every engine's info; call ``on_epoch_change`` for restarted engines."""
-        on_epoch_change = self.on_epoch_change
+        """Fetch every engine's info; an engine that restarted (new epoch) or came back
+        from an outage is marked dirty; then ``on_dirty`` syncs each dirty healthy one."""
 
         async def one(e: Engine) -> None:
             try:
                 r = await asyncio.wait_for(
-                    self.request("GET", "/v1/steering/info", engine=e, timeout_s=2.0), 2.0
+                    self.request("GET", engine_api.INFO, engine=e, timeout_s=2.0), 2.0
                 )
                 info = r.json() if r.status == 200 else None
             except (APIError, asyncio.TimeoutError, ValueError):
@@ -261,13 +275,18 @@ class EnginePool:
             if not isinstance(info, dict):
                 e.healthy = False
                 return
-            changed = e.info is not None and info.get("epoch") != e.epoch
+            if e.info is not None and info.get("epoch") != e.epoch:
+                log.info("engine %s restarted (new epoch): its cache is empty", e.url)
+                e.dirty = True
+            if not e.healthy:
+                e.dirty = True  # it may have missed writes while away
             e.info, e.healthy = info, True
-            if changed and on_epoch_change is not None:
-                log.info("engine %s restarted (new epoch); reconciling latches", e.url)
-                await on_epoch_change(e)
 
         await asyncio.gather(*(one(e) for e in self.engines))
+        if self.on_dirty is not None:
+            for e in self.engines:
+                if e.healthy and e.dirty:
+                    await self.on_dirty(e)
 
     async def poll(self, stop: asyncio.Event, interval_s: float) -> None:
         while not stop.is_set():

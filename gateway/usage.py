@@ -12,13 +12,13 @@ show is exactly what admission decides on, and it is the same on every replica.
   the vector hash (count and Σ ``bytes``).
 * responses and history: the per-minute hashes ``usage:<minute>`` (fields
   ``requests`` — admitted —, ``tokens``, ``2xx``, ``4xx``, ``429``, ``5xx``).
-  ``429`` is kept apart from ``4xx``. These count inference requests (what the
-  limiter admits and settles), not vector uploads or admin calls.
+  ``429`` is kept apart from ``4xx``. These count what the limiter admits and
+  settles: inference requests and vector uploads, not reads or admin calls.
 * rejections: the cause of each 429 is not in the limiter's hashes;
   :func:`record_rejection` (called by the metrics middleware for every 429 a tenant
   gets) adds ``429:<code>`` fields. Inference 429s the limiter counted without a
-  recorded cause are shown as ``unattributed`` rather than hidden;
-  ``vector_quota_exceeded`` comes from vector uploads and is not part of ``429``.
+  recorded cause are shown as ``unattributed`` rather than hidden. Vector uploads
+  are admitted and settled like inference requests, so their 429s count too.
 """
 
 from __future__ import annotations
@@ -43,8 +43,6 @@ REJECTION_CAUSES = (
     "latch_quota_exceeded",
     "vector_quota_exceeded",
 )
-#: 429s given outside the limiter's admission (not in its ``429`` count).
-NON_INFERENCE_CAUSES = frozenset({"vector_quota_exceeded"})
 CAUSE_PREFIX = "429:"
 PERIOD_MS = 60_000
 
@@ -119,7 +117,7 @@ def _rejections(row: dict[str, Any]) -> dict[str, int]:
     for field, value in row.items():  # causes this module does not know yet
         if field.startswith(CAUSE_PREFIX) and field[len(CAUSE_PREFIX) :] not in out:
             out[field[len(CAUSE_PREFIX) :]] = _int(value)
-    attributed = sum(v for k, v in out.items() if k not in NON_INFERENCE_CAUSES)
+    attributed = sum(out.values())
     unattributed = _int(row.get("429")) - attributed
     if unattributed > 0:
         out["unattributed"] = unattributed

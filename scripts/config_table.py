@@ -62,7 +62,9 @@ def _default(info: Any) -> str:
         return "required"
     value = info.default
     if value is None:
-        return "required outside `up`" if info.annotation == SecretStr | None else "unset"
+        optional = (info.json_schema_extra or {}).get("required_outside_up") is False
+        secret = info.annotation == SecretStr | None
+        return "required outside `up`" if secret and not optional else "unset"
     if isinstance(value, bool):
         return "`true`" if value else "`false`"
     return f"`{value}`"

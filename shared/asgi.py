@@ -34,8 +34,15 @@ def replace_header(headers: RawHeaders, name: bytes, value: bytes | None) -> Raw
 
 
 async def send_json(
-    send: Send, status: int, body: Any, extra_headers: RawHeaders | None = None
+    send: Send,
+    status: int,
+    body: Any,
+    extra_headers: RawHeaders | None = None,
+    *,
+    more_body: bool = False,
 ) -> None:
+    """``more_body=True`` sends the whole JSON body but leaves the response open (the
+    caller ends it with an empty body message), e.g. to drain the request first."""
     raw = json.dumps(body, separators=(",", ":")).encode()
     headers: RawHeaders = [
         (b"content-type", b"application/json"),
@@ -43,12 +50,16 @@ async def send_json(
         *(extra_headers or []),
     ]
     await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": raw, "more_body": False})
+    await send({"type": "http.response.body", "body": raw, "more_body": more_body})
 
 
-async def send_error(send: Send, exc: APIError, extra_headers: RawHeaders | None = None) -> None:
+async def send_error(
+    send: Send, exc: APIError, extra_headers: RawHeaders | None = None, *, more_body: bool = False
+) -> None:
     headers = [(k.lower().encode(), v.encode()) for k, v in exc.headers.items()]
-    await send_json(send, exc.status, exc.body(), [*headers, *(extra_headers or [])])
+    await send_json(
+        send, exc.status, exc.body(), [*headers, *(extra_headers or [])], more_body=more_body
+    )
 
 
 async def read_body(receive: Receive) -> bytes | None:

@@ -7,6 +7,7 @@ Packed data is little-endian; bfloat16 has no numpy dtype, so it is widened by a
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import hashlib
@@ -82,41 +83,33 @@ def vector_digest(hook: str, layers: Mapping[int, np.ndarray]) -> str:
     return h.hexdigest()
 
 
-def decode_gguf_control_vector(raw: bytes) -> dict[int, np.ndarray]:
+#: Wall-clock bound on one GGUF parse, queueing for a worker thread included.
+GGUF_PARSE_TIMEOUT_S = 5.0
+
+
+def decode_gguf_control_vector(raw: bytes, max_bytes: int | None = None) -> dict[int, np.ndarray]:
     """Layer -> float32 direction from a llama.cpp / repeng control-vector file.
 
     Tensors are named ``direction.N`` and apply at ``post_block`` of layer N (the
-    convention llama.cpp uses when it applies them after layer N's output).
+    convention llama.cpp uses when it applies them after layer N's output). The
+    reader is bounded (``shared/gguf.py``); servers call ``decode_gguf_off_loop``.
     """
+    from shared.gguf import read_control_vector  # it imports this module
+
+    return read_control_vector(raw, max_bytes)
+
+
+async def decode_gguf_off_loop(
+    raw: bytes, *, max_bytes: int | None = None, timeout_s: float = GGUF_PARSE_TIMEOUT_S
+) -> dict[int, np.ndarray]:
+    """``decode_gguf_control_vector`` in a worker thread, bounded in time, so an
+    upload never holds the event loop (every other tenant's requests) while it parses."""
     try:
-        from gguf import GGUFReader
-    except ImportError as exc:  # pragma: no cover - dependency is in both extras
-        raise CodecError("GGUF support needs the 'gguf' package") from exc
-    # GGUFReader memory-maps a path; the upload is bounded by the body limit.
-    fd, path = tempfile.mkstemp(suffix=".gguf")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(raw)
-        try:
-            reader = GGUFReader(path)
-            tensors = list(reader.tensors)
-        except Exception as exc:  # gguf raises bare ValueError/struct errors
-            raise CodecError("is not a readable GGUF file") from exc
-        out: dict[int, np.ndarray] = {}
-        for t in tensors:
-            name = str(t.name)
-            if not name.startswith("direction."):
-                continue
-            try:
-                layer = int(name.split(".", 1)[1])
-            except ValueError as exc:
-                raise CodecError(f"has a tensor with a bad layer index: {name!r}") from exc
-            out[layer] = np.asarray(t.data, dtype=np.float32).reshape(-1).copy()
-        if not out:
-            raise CodecError("holds no 'direction.N' tensors")
-        return out
-    finally:
-        os.unlink(path)
+        return await asyncio.wait_for(
+            asyncio.to_thread(decode_gguf_control_vector, raw, max_bytes), timeout_s
+        )
+    except TimeoutError as exc:
+        raise CodecError(f"could not be read within {timeout_s:g} s") from exc
 
 
 def encode_gguf_control_vector(

@@ -15,16 +15,28 @@ from shared.errors import InvalidField
 
 SEPARATOR = "~"
 
-TENANT_ID_RE = re.compile(r"^[a-z0-9-]{1,32}$")
-CONVERSATION_ID_RE = re.compile(r"^[A-Za-z0-9._:@-]{1,256}$")
-VECTOR_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+# Anchored with \A...\Z, never ^...$: ``$`` also matches before a final "\n", so
+# "chat-1\n" used to pass and reached the engine's request line. Explicit ASCII
+# classes only (``\d``/``\w`` match "²" and "١"). Call sites use ``fullmatch``; the
+# anchors keep a stray ``.match``/``.search`` full-string too.
+TENANT_ID_RE = re.compile(r"\A[a-z0-9-]{1,32}\Z")
+CONVERSATION_ID_RE = re.compile(r"\A[A-Za-z0-9._:@-]{1,256}\Z")
+VECTOR_NAME_RE = re.compile(r"\A[A-Za-z0-9._-]{1,64}\Z")
 # What the engine accepts: the client forms above, optionally behind one tenant scope.
-ENGINE_CONVERSATION_ID_RE = re.compile(r"^(?:[a-z0-9-]{1,32}~)?[A-Za-z0-9._:@-]{1,256}$")
-ENGINE_VECTOR_NAME_RE = re.compile(r"^(?:[a-z0-9-]{1,32}~)?[A-Za-z0-9._-]{1,64}$")
+ENGINE_CONVERSATION_ID_RE = re.compile(r"\A(?:[a-z0-9-]{1,32}~)?[A-Za-z0-9._:@-]{1,256}\Z")
+ENGINE_VECTOR_NAME_RE = re.compile(r"\A(?:[a-z0-9-]{1,32}~)?[A-Za-z0-9._-]{1,64}\Z")
+
+
+def is_engine_conversation_id(value: object) -> bool:
+    return isinstance(value, str) and ENGINE_CONVERSATION_ID_RE.fullmatch(value) is not None
+
+
+def is_engine_vector_name(value: object) -> bool:
+    return isinstance(value, str) and ENGINE_VECTOR_NAME_RE.fullmatch(value) is not None
 
 
 def check_conversation_id(value: object, param: str = "conversation_id") -> str:
-    if not isinstance(value, str) or not CONVERSATION_ID_RE.match(value):
+    if not isinstance(value, str) or not CONVERSATION_ID_RE.fullmatch(value):
         raise InvalidField(
             param,
             f"'{param}' must be 1-256 characters of [A-Za-z0-9._:@-]",
@@ -34,7 +46,7 @@ def check_conversation_id(value: object, param: str = "conversation_id") -> str:
 
 
 def check_vector_name(value: object, param: str = "name") -> str:
-    if not isinstance(value, str) or not VECTOR_NAME_RE.match(value):
+    if not isinstance(value, str) or not VECTOR_NAME_RE.fullmatch(value):
         raise InvalidField(
             param,
             f"'{param}' must be 1-64 characters of [A-Za-z0-9._-]",
@@ -44,7 +56,7 @@ def check_vector_name(value: object, param: str = "name") -> str:
 
 
 def check_tenant_id(value: object, param: str = "id") -> str:
-    if not isinstance(value, str) or not TENANT_ID_RE.match(value):
+    if not isinstance(value, str) or not TENANT_ID_RE.fullmatch(value):
         raise InvalidField(
             param, f"'{param}' must be 1-32 characters of [a-z0-9-]", code="invalid_tenant_id"
         )

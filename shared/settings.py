@@ -9,6 +9,8 @@ from __future__ import annotations
 from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.engine_api import DEFAULT_MAX_LATCHED_BYTES, DEFAULT_MAX_LATCHED_CONVERSATIONS
+
 
 class EngineSettings(BaseSettings):
     """Read by the engine's plugins inside vLLM's API-server process."""
@@ -20,10 +22,10 @@ class EngineSettings(BaseSettings):
         description="Shared secret every engine route requires (Authorization: Bearer).",
     )
     max_latched_conversations: int = Field(
-        default=1024, ge=0, description="Latch controller count cap."
+        default=DEFAULT_MAX_LATCHED_CONVERSATIONS, ge=0, description="Latch controller count cap."
     )
     max_latched_bytes: int = Field(
-        default=268435456, ge=0, description="Latch controller byte cap."
+        default=DEFAULT_MAX_LATCHED_BYTES, ge=0, description="Latch controller byte cap."
     )
 
 
@@ -45,6 +47,14 @@ class GatewaySettings(BaseSettings):
         default=None, description="Secret presented to the engines."
     )
     admin_key: SecretStr | None = Field(default=None, description="Bootstrap admin key.")
+    metrics_token: SecretStr | None = Field(
+        default=None,
+        description=(
+            "Scrape-only credential for GET /metrics (Authorization: Bearer); "
+            "unset: /metrics takes the admin key only."
+        ),
+        json_schema_extra={"required_outside_up": False},
+    )
     key_pepper: SecretStr | None = Field(
         default=None, description="Server-side secret mixed into API-key hashes."
     )
@@ -68,7 +78,13 @@ class GatewaySettings(BaseSettings):
         default=600.0, gt=0, description="Engine read timeout (504 past it)."
     )
     reconcile_interval_s: float = Field(
-        default=5.0, gt=0, description="How often latch accounting is checked against the engines."
+        default=5.0, gt=0, description="How often the engines are polled (health, restarts)."
+    )
+    engine_sync_interval_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="How often every engine's cache is checked against Redis (stale entries "
+        "deleted); a dirty engine is synced at the next poll.",
     )
 
     @field_validator("engine_urls")

@@ -11,6 +11,7 @@ JSON path of the offending value, e.g. ``steering.vectors[2].layers.7``.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,11 @@ HOOKS: tuple[str, ...] = ("pre_attn", "post_attn", "post_block")
 PHASES: tuple[str, ...] = ("all", "prefill", "decode")
 MAX_TERMS = 256
 FLOAT32_BYTES = 4
+#: Steering is applied in float32: a larger scale becomes inf there, however finite in JSON.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+#: Layer keys are ASCII decimal without sign or leading zeros ("²".isdigit() and
+#: int("١") == 1 are why this is not ``str.isdigit``); 9 digits is past any model.
+_LAYER_KEY = re.compile(r"0|[1-9][0-9]{0,8}")
 
 Site = tuple[str, int]  # (hook, layer)
 
@@ -114,6 +120,7 @@ def parse_term(obj: Any, shape: ModelShape | None, param: str, index: int = 0) -
     _reject_unknown(obj, {"hook", "layers", "packed", "scale"}, param)
     hook = parse_hook(obj.get("hook"), f"{param}.hook")
     layers = parse_layers_or_packed(obj, shape, param)
+    _check_scaled(layers, scale, f"{param}.scale")
     return InlineTerm(hook=hook, layers=layers, scale=scale, index=index)
 
 
@@ -169,17 +176,25 @@ def _parse_layers(obj: Any, shape: ModelShape | None, param: str) -> dict[int, n
         )
     out: dict[int, np.ndarray] = {}
     for key, values in obj.items():
+        if not isinstance(key, str) or not _LAYER_KEY.fullmatch(key):
+            p = f"{param}.{key}" if isinstance(key, str) and _printable(key) else param
+            raise InvalidField(
+                p,
+                f"'{p}': layer keys must be 0-based decimal integers in ASCII digits, without "
+                f"sign or leading zeros; got {_short(key)}",
+            )
         p = f"{param}.{key}"
-        if not isinstance(key, str) or not key.isdigit() or (len(key) > 1 and key[0] == "0"):
-            raise InvalidField(p, f"'{p}': layer keys must be 0-based decimal integers")
         layer = int(key)
         _check_layer(layer, shape, p)
         if not isinstance(values, list) or not values:
             raise InvalidField(p, f"'{p}' must be a non-empty array of numbers")
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
             raise InvalidField(p, f"'{p}' must contain only numbers")
-        with np.errstate(over="ignore"):  # values past float32's range become inf, rejected below
-            vec = np.asarray(values, dtype=np.float64).astype(np.float32)
+        try:
+            with np.errstate(over="ignore"):  # past float32's range becomes inf, rejected below
+                vec = np.asarray(values, dtype=np.float64).astype(np.float32)
+        except OverflowError:  # an integer past float64 (Python's json parses 1e400 digits)
+            raise InvalidField(p, f"'{p}' contains NaN or Inf") from None
         _check_vector(vec, shape, p)
         out[layer] = vec
     return out
@@ -256,9 +271,40 @@ def _check_vector(vec: np.ndarray, shape: ModelShape | None, param: str) -> None
 
 
 def _parse_scale(value: Any, param: str) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise InvalidField(param, f"'{param}' must be a finite number")
-    return float(value)
+    try:
+        scale = float(value)
+    except OverflowError:  # an integer beyond float64
+        scale = math.inf
+    if not math.isfinite(scale) or abs(scale) > FLOAT32_MAX:
+        raise InvalidField(
+            param, f"'{param}' must be a finite number of magnitude at most {FLOAT32_MAX:.7g}"
+        )
+    return scale
+
+
+def _check_scaled(layers: Mapping[int, np.ndarray], scale: float, param: str) -> None:
+    """Each vector times ``scale`` must stay finite in float32, where it is applied."""
+    factor = np.float32(scale)
+    with np.errstate(over="ignore"):
+        for vec in layers.values():
+            if not np.isfinite(vec * factor).all():
+                raise InvalidField(param, f"'{param}' times the vector overflows float32")
+
+
+def check_sites_finite(sites: Mapping[Site, np.ndarray], param: str = "steering.vectors") -> None:
+    """The summed steering (inline and named terms, each scaled) must be finite in
+    float32; every term may be finite while their sum is not."""
+    for (hook, layer), vec in sites.items():
+        if not np.isfinite(vec).all():
+            raise InvalidField(
+                param, f"'{param}': the summed steering at {hook} layer {layer} overflows float32"
+            )
+
+
+def _printable(text: str) -> bool:
+    return len(text) <= 32 and text.isprintable()
 
 
 def _reject_unknown(obj: Mapping[str, Any], allowed: set[str], param: str | None) -> None:

@@ -70,13 +70,111 @@ def test_services_and_profiles() -> None:
     assert SERVICES["grafana"]["profiles"] == ["monitoring"]
 
 
-def test_only_gateway_and_monitoring_are_published() -> None:
-    published = {name for name, svc in SERVICES.items() if svc.get("ports")}
-    assert published == {"gateway", "prometheus", "grafana"}
-    assert any(str(p).endswith(":8080") for p in SERVICES["gateway"]["ports"])
+def _defaults(text: str) -> str:
+    """``${VAR:-default}`` / ``${VAR-default}`` -> ``default`` (what compose would use)."""
+    return re.sub(r"\$\{[A-Z0-9_]+:?-([^}]*)\}", r"\1", text)
+
+
+def published(service: str) -> list[tuple[str, str, str]]:
+    """(host_ip, host_port, container_port) of each published port; host_ip "0.0.0.0"
+    when the entry names none (compose then binds every interface)."""
+    out = []
+    for entry in SERVICES[service].get("ports", []):
+        if isinstance(entry, dict):  # long syntax
+            out.append((entry.get("host_ip", "0.0.0.0"), str(entry.get("published", "")),
+                        str(entry["target"])))
+            continue
+        parts = _defaults(str(entry)).split(":")
+        if len(parts) == 3:
+            out.append((parts[0], parts[1], parts[2]))
+        elif len(parts) == 2:
+            out.append(("0.0.0.0", parts[0], parts[1]))
+        else:
+            out.append(("0.0.0.0", "", parts[0]))  # a random host port, every interface
+    return out
+
+
+def test_only_the_gateway_is_published_on_every_interface() -> None:
+    ports = {name: published(name) for name in SERVICES if SERVICES[name].get("ports")}
+    assert set(ports) == {"gateway", "grafana"}, "Prometheus, Redis, engines: not published"
+    assert [p[2] for p in ports["gateway"]] == ["8080"]
+    for name, entries in ports.items():
+        if name != "gateway":
+            assert all(ip == "127.0.0.1" for ip, _, _ in entries), (name, entries)
+    assert published("grafana") == [("127.0.0.1", "3000", "3000")]
+    assert [str(p) for p in SERVICES["prometheus"]["expose"]] == ["9090"]
     for name in ENGINES:
         assert "ports" not in SERVICES[name]
         assert "8100" in [str(p) for p in SERVICES[name]["expose"]]
+
+
+SECRETISH = re.compile(r"PASSWORD|TOKEN|KEY|PEPPER|SECRET")
+
+
+def test_no_secret_has_a_default_value() -> None:
+    text = (ROOT / "docker-compose.yml").read_text()
+    for name, op, default in re.findall(r"\$\{([A-Z0-9_]+)(:?[-?]?)([^}]*)\}", text):
+        if SECRETISH.search(name) and op.endswith("-"):
+            assert default == "", f"${{{name}}} falls back to {default!r}"
+    grafana = env_of("grafana")
+    assert not any(k.startswith("GF_SECURITY_ADMIN_PASSWORD") and k != (
+        "GF_SECURITY_ADMIN_PASSWORD__FILE") for k in grafana), "the password comes from a file"
+    assert grafana["GF_SECURITY_ADMIN_PASSWORD__FILE"] == "/run/secrets/grafana_admin_password"
+    assert grafana["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+    assert "admin" not in {v.lower() for v in grafana.values()}
+
+
+def test_monitoring_secrets_come_from_env_and_are_granted_only_where_needed() -> None:
+    secrets = COMPOSE["secrets"]
+    assert secrets["metrics_token"] == {"environment": "STEERGATE_METRICS_TOKEN"}
+    assert secrets["grafana_admin_password"] == {"environment": "GRAFANA_ADMIN_PASSWORD"}
+    granted = {name: set(svc.get("secrets", [])) for name, svc in SERVICES.items()}
+    assert granted["prometheus"] == {"metrics_token"}
+    assert granted["grafana"] == {"grafana_admin_password"}
+    assert not any(granted[n] for n in SERVICES if n not in ("prometheus", "grafana"))
+    # The gateway reads the same variable, optional there (/metrics then takes the
+    # admin key only); never `:?`, which would stop the stack without monitoring.
+    assert env_of("gateway")["STEERGATE_METRICS_TOKEN"] == "${STEERGATE_METRICS_TOKEN:-}"
+    prom = yaml.safe_load((ROOT / "deploy/monitoring/prometheus.yml").read_text())
+    for job in prom["scrape_configs"]:
+        assert job["authorization"] == {
+            "type": "Bearer", "credentials_file": "/run/secrets/metrics_token"}
+
+
+def _entrypoint(service: str, secrets_dir: Path) -> list[str]:
+    """The service's entrypoint as a local command: compose's ``$$`` unescaped and
+    /run/secrets pointed at ``secrets_dir``."""
+    return [arg.replace("$$", "$").replace("/run/secrets/", f"{secrets_dir}/")
+            for arg in SERVICES[service]["entrypoint"]]
+
+
+@pytest.mark.parametrize(
+    ("service", "secret", "refused", "accepted"),
+    [
+        ("grafana", "grafana_admin_password", [None, "", "admin"], "s3cret-enough"),
+        ("prometheus", "metrics_token", [None, ""], "a-scrape-token"),
+    ],
+)
+def test_monitoring_containers_refuse_to_start_without_their_secret(
+    tmp_path: Path, service: str, secret: str, refused: list[str | None], accepted: str
+) -> None:
+    """Runs each entrypoint's guard with sh: compose hands an unset-but-declared or
+    empty variable to the container as an empty (or missing) secret file."""
+    import subprocess
+
+    cmd = _entrypoint(service, tmp_path)
+    assert cmd[:2] == ["/bin/sh", "-c"]
+    for value in [*refused, accepted]:
+        path = tmp_path / secret
+        path.unlink(missing_ok=True)
+        if value is not None:
+            path.write_text(value)
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
+        if value == accepted:  # past the guard: exec of the image's binary, absent here
+            assert run.returncode != 1 and "set " not in run.stderr, run.stderr
+        else:
+            assert run.returncode == 1, (value, run.stderr)
+            assert "in .env" in run.stderr
 
 
 def test_redis_persists_with_aof_and_is_health_checked() -> None:
@@ -130,6 +228,7 @@ def test_env_example_defines_every_contract_and_compose_variable() -> None:
     }
     assert CONTRACT_ENV <= example
     interpolated = set(re.findall(r"\$\{([A-Z0-9_]+)", (ROOT / "docker-compose.yml").read_text()))
+    interpolated |= {s["environment"] for s in COMPOSE.get("secrets", {}).values()}
     assert interpolated <= example, f"not in .env.example: {sorted(interpolated - example)}"
 
 

@@ -3,12 +3,17 @@ and the pure modules (latch, registry, resolve).
 
 ``attach_router`` runs in ``build_app`` before vLLM adds its own middlewares, so
 ours sit inside vLLM's (CORS stays outermost, which keeps preflight working) and
-outside the router. Order, outermost first: token auth, then the steering rewrite.
+outside the router. Order, outermost first: token auth, the JSON depth bound, then
+the steering rewrite. It also redacts scoped ids from uvicorn's access log.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
+import re
+import secrets
 from argparse import Namespace
 from typing import Any
 
@@ -18,6 +23,7 @@ from engine.http.auth import EngineTokenMiddleware
 from engine.http.rewrite import SteeringRewriteMiddleware
 from engine.http.routes import build_router
 from engine.http.runtime import RuntimeRef, SteeringRuntime
+from shared.jsondepth import JsonDepthMiddleware
 from shared.settings import EngineSettings
 from shared.steering import ModelShape
 
@@ -41,7 +47,9 @@ class SteeringEndpointPlugin:
         )
         # add_middleware prepends: the last added is the outermost.
         app.add_middleware(SteeringRewriteMiddleware, runtime=self.runtime)
+        app.add_middleware(JsonDepthMiddleware)  # before anything parses a body
         app.add_middleware(EngineTokenMiddleware, token=token)
+        redact_access_log()
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
         if not self.settings.engine_token or not self.settings.engine_token.get_secret_value():
@@ -81,6 +89,47 @@ def _served_name(args: Namespace) -> str:
     if names:
         return str(names[0] if isinstance(names, (list, tuple)) else names)
     return str(getattr(args, "model", ""))
+
+
+#: The id segment of the routes that carry a scoped id, and a ``prefix=`` query value.
+_SCOPED_PATH = re.compile(r"(/v1/steering/(?:latches|vectors)/)([^/?#\s]+)")
+_PREFIX_QUERY = re.compile(r"([?&]prefix=)([^&#\s]*)")
+
+
+class ScopedIdRedactor(logging.Filter):
+    """Rewrites uvicorn's access-log record so it never carries a scoped id.
+
+    ``PUT /v1/steering/vectors/alpha~calm`` is logged as ``PUT
+    /v1/steering/vectors/id:3fa2c0d1``: 8 hex of an HMAC under a key drawn at start,
+    so lines of one run still correlate but a log reader cannot confirm a guessed
+    tenant or vector name (a plain hash of ``alpha~calm`` could be brute-forced).
+    uvicorn logs ``(client_addr, method, full_path, http_version, status)``."""
+
+    def __init__(self, key: bytes | None = None) -> None:
+        super().__init__("steergate.redact")
+        self._key = key or secrets.token_bytes(32)
+
+    def tag(self, value: str) -> str:
+        mac = hmac.new(self._key, value.encode("utf-8", "surrogateescape"), hashlib.sha256)
+        return "id:" + mac.hexdigest()[:8]
+
+    def redact(self, path: str) -> str:
+        path = _SCOPED_PATH.sub(lambda m: m.group(1) + self.tag(m.group(2)), path)
+        return _PREFIX_QUERY.sub(lambda m: m.group(1) + self.tag(m.group(2)), path)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str):
+            record.args = (*args[:2], self.redact(args[2]), *args[3:])
+        return True
+
+
+def redact_access_log() -> None:
+    """Install :class:`ScopedIdRedactor` on ``uvicorn.access`` once per process. A
+    logger's filters survive uvicorn's later ``dictConfig`` (it replaces handlers only)."""
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, ScopedIdRedactor) for f in access.filters):
+        access.addFilter(ScopedIdRedactor())
 
 
 def _share_vllm_log_handlers() -> None:

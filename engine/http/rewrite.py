@@ -18,9 +18,11 @@ import hashlib
 import json
 from typing import Any
 
+from engine.http.exact import prompt_key, refuse_inexact
 from engine.http.runtime import RuntimeRef, SteeringRuntime
 from engine.payload import XARGS_KEY, encode_payload
-from engine.resolve import Resolution, resolve_turn
+from engine.resolve import Expect, Resolution, resolve_turn
+from shared import engine_api
 from shared.asgi import (
     ASGIApp,
     Message,
@@ -34,12 +36,13 @@ from shared.asgi import (
     replay,
     send_error,
 )
+from shared.engine_api import EXPECT_FIELD
 from shared.errors import APIError, InvalidField
-from shared.scoping import ENGINE_CONVERSATION_ID_RE
-from shared.steering import parse_steering
+from shared.latch_spec import SpecError, decode_spec
+from shared.scoping import ENGINE_CONVERSATION_ID_RE, ENGINE_VECTOR_NAME_RE
+from shared.steering import ModelShape, parse_steering
 
-STEERED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
-LATCH_HEADER = b"x-steering-latch"
+LATCH_HEADER = engine_api.LATCH_HEADER.encode()
 
 # vLLM's own cache_salt rules (vllm.entrypoints.generate.base.protocol).
 MAX_CACHE_SALT = 128
@@ -56,7 +59,7 @@ class SteeringRewriteMiddleware:
             await self.app(scope, receive, send)
             return
         path = _route_path(scope)
-        if path in STEERED_PATHS:
+        if path in engine_api.STEERED_PATHS:
             await self._steered(scope, receive, send)
         elif _is_json(scope):
             await self._strip_only(scope, receive, send)
@@ -97,29 +100,75 @@ class SteeringRewriteMiddleware:
 def rewrite(doc: dict[str, Any], runtime: SteeringRuntime) -> Resolution:
     """Validate, resolve and rewrite ``doc`` in place. Raises before any latch change."""
     conversation_id = _conversation_id(doc.pop("conversation_id", None))
+    expect = parse_expect(doc.pop(EXPECT_FIELD, None), runtime.shape)
     raw = doc.pop("steering", None)  # null means "not given", as for OpenAI's optional fields
     steering = parse_steering(raw, runtime.shape) if raw is not None else None
     xargs = doc.get("vllm_xargs")
     if xargs is not None and not isinstance(xargs, dict):
         raise InvalidField("vllm_xargs", "'vllm_xargs' must be an object")
     _strip_xargs(doc)
-    resolution = resolve_turn(steering, conversation_id, runtime.registry, runtime.controller)
+    if steering is not None and steering.terms:  # before a latch is stored
+        refuse_inexact(doc, steering.phase)
+    resolution = resolve_turn(
+        steering, conversation_id, runtime.registry, runtime.controller, expect
+    )
     if resolution.applied:
+        refuse_inexact(doc, resolution.phase)  # bridged/restored turns
         payload, digest = encode_payload(resolution.phase, resolution.sites)
         doc["vllm_xargs"] = {**(doc.get("vllm_xargs") or {}), XARGS_KEY: payload}
-        doc["cache_salt"] = salted(doc.get("cache_salt"), digest)
+        doc["cache_salt"] = salted(doc.get("cache_salt"), digest, resolution.phase, doc)
     return resolution
 
 
-def salted(client_salt: Any, digest: str) -> Any:
+def parse_expect(value: Any, shape: ModelShape) -> Expect | None:
+    """The gateway's ``steergate_expect`` (see ``shared.engine_api``), validated in full."""
+    if value is None:
+        return None
+    param = EXPECT_FIELD
+    if not isinstance(value, dict) or set(value) - {"vectors", "latch", "restore"}:
+        raise InvalidField(param, f"'{param}' must be an object of vectors, latch, restore")
+    vectors = value.get("vectors") or {}
+    if not isinstance(vectors, dict) or not all(
+        isinstance(k, str) and ENGINE_VECTOR_NAME_RE.fullmatch(k) and isinstance(v, str)
+        for k, v in vectors.items()
+    ):
+        raise InvalidField(f"{param}.vectors", f"'{param}.vectors' must map names to digests")
+    latch = value.get("latch")
+    if latch is not None and not isinstance(latch, str):
+        raise InvalidField(f"{param}.latch", f"'{param}.latch' must be a digest string")
+    restore = None
+    if value.get("restore") is not None:
+        try:
+            restore = decode_spec(value["restore"])
+        except SpecError as exc:
+            raise InvalidField(f"{param}.restore", f"'{param}.restore' {exc}") from exc
+        for hook, layer in restore.sites:
+            vec = restore.sites[(hook, layer)]
+            if not 0 <= layer < shape.num_layers or vec.shape != (shape.hidden_size,):
+                raise InvalidField(
+                    f"{param}.restore", f"'{param}.restore' does not fit the served model"
+                )
+    return Expect(vectors=vectors, latch=latch, restore=restore)
+
+
+def salted(
+    client_salt: Any, digest: str, phase: str = "all", request: dict[str, Any] | None = None
+) -> Any:
     """``client|sg:digest`` so that differently steered requests never share prefix-cache
-    blocks. If that would pass vLLM's 128-character limit, a hash of it is used
-    instead (still unique per client salt and steering). An invalid client salt is
-    left as it is, for vLLM to reject in its own words."""
+    blocks. For phase ``prefill``/``decode`` the digest also covers the request's prompt
+    (``engine.http.exact.prompt_key``): a position's KV then depends on whether it was
+    prompt or generated, and vLLM caches generated tokens' blocks too. If the salt
+    would pass vLLM's 128-character limit, a hash of it is used instead (still unique
+    per client salt and steering). An invalid client salt is left as it is, for vLLM
+    to reject in its own words."""
     if client_salt is None:
         client_salt = ""
     elif not _valid_salt(client_salt):
         return client_salt
+    if phase != "all":
+        if request is None:
+            raise ValueError(f"phase {phase!r} needs the request to key the salt on its prompt")
+        digest = hashlib.sha256(f"{digest}|prompt:{prompt_key(request)}".encode()).hexdigest()
     salt = f"{client_salt}|sg:{digest}"
     if len(salt) > MAX_CACHE_SALT:
         salt = "sg:" + hashlib.sha256(salt.encode()).hexdigest()
@@ -137,7 +186,7 @@ def _valid_salt(value: Any) -> bool:
 def _conversation_id(value: Any) -> str | None:
     if value is None:
         return None
-    if not isinstance(value, str) or not ENGINE_CONVERSATION_ID_RE.match(value):
+    if not isinstance(value, str) or not ENGINE_CONVERSATION_ID_RE.fullmatch(value):
         raise InvalidField(
             "conversation_id",
             "'conversation_id' must be 1-256 characters of [A-Za-z0-9._:@-]",

@@ -15,7 +15,8 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from engine.http.runtime import RuntimeRef
-from shared.codecs import CodecError, decode_gguf_control_vector
+from shared import engine_api
+from shared.codecs import CodecError, decode_gguf_off_loop
 from shared.errors import APIError, InvalidField
 from shared.scoping import ENGINE_CONVERSATION_ID_RE, ENGINE_VECTOR_NAME_RE
 from shared.steering import check_vectors, parse_vector_body
@@ -35,27 +36,27 @@ def _openai_errors(handler: Handler) -> Handler:
 
 
 def build_router(ref: RuntimeRef) -> APIRouter:
-    router = APIRouter(prefix="/v1/steering")
+    router = APIRouter()
 
-    @router.get("/info")
+    @router.get(engine_api.INFO)
     @_openai_errors
     async def info() -> Response:
         return JSONResponse(ref.get().info())
 
-    @router.get("/status")
+    @router.get(engine_api.STATUS)
     @_openai_errors
     async def status() -> Response:
         return JSONResponse(ref.get().controller.status())
 
-    @router.get("/latches")
+    @router.get(engine_api.LATCHES)
     @_openai_errors
     async def list_latches(prefix: str = "") -> Response:
         return JSONResponse(ref.get().controller.list(prefix))
 
-    @router.delete("/latches/{conversation_id}")
+    @router.delete(engine_api.LATCHES + "/{conversation_id}")
     @_openai_errors
     async def delete_latch(conversation_id: str) -> Response:
-        if not ENGINE_CONVERSATION_ID_RE.match(conversation_id):
+        if not ENGINE_CONVERSATION_ID_RE.fullmatch(conversation_id):
             raise InvalidField(
                 "conversation_id",
                 "'conversation_id' must be 1-256 characters of [A-Za-z0-9._:@-]",
@@ -67,12 +68,12 @@ def build_router(ref: RuntimeRef) -> APIRouter:
             )
         return Response(status_code=204)
 
-    @router.get("/vectors")
+    @router.get(engine_api.VECTORS)
     @_openai_errors
     async def list_vectors(prefix: str = "") -> Response:
         return JSONResponse([v.metadata() for v in ref.get().registry.list(prefix)])
 
-    @router.get("/vectors/{name}")
+    @router.get(engine_api.VECTORS + "/{name}")
     @_openai_errors
     async def get_vector(name: str, include: str | None = None) -> Response:
         vector = ref.get().registry.get(_vector_name(name))
@@ -80,21 +81,21 @@ def build_router(ref: RuntimeRef) -> APIRouter:
             raise APIError(404, "vector_not_found", "no vector with this name", param="name")
         return JSONResponse(vector.with_data() if include == "data" else vector.metadata())
 
-    @router.put("/vectors/{name}")
+    @router.put(engine_api.VECTORS + "/{name}")
     @_openai_errors
     async def put_vector(name: str, request: Request) -> Response:
         runtime = ref.get()
         name = _vector_name(name)
         raw = await request.body()
         if _is_octet_stream(request):
-            hook, layers, description = "post_block", _gguf_layers(raw), None
+            hook, layers, description = "post_block", await _gguf_layers(raw), None
             check_vectors(layers, runtime.shape, "direction")
         else:
             hook, layers, description = parse_vector_body(_json_body(raw), runtime.shape)
         vector, created = runtime.registry.put(name, hook, layers, description)
         return JSONResponse(vector.metadata(), status_code=201 if created else 200)
 
-    @router.delete("/vectors/{name}")
+    @router.delete(engine_api.VECTORS + "/{name}")
     @_openai_errors
     async def delete_vector(name: str) -> Response:
         if not ref.get().registry.delete(_vector_name(name)):
@@ -105,7 +106,7 @@ def build_router(ref: RuntimeRef) -> APIRouter:
 
 
 def _vector_name(name: str) -> str:
-    if not ENGINE_VECTOR_NAME_RE.match(name):
+    if not ENGINE_VECTOR_NAME_RE.fullmatch(name):
         raise InvalidField(
             "name", "'name' must be 1-64 characters of [A-Za-z0-9._-]", code="invalid_vector_name"
         )
@@ -128,8 +129,8 @@ def _json_body(raw: bytes) -> Any:
         ) from exc
 
 
-def _gguf_layers(raw: bytes) -> dict[int, Any]:
+async def _gguf_layers(raw: bytes) -> dict[int, Any]:
     try:
-        return decode_gguf_control_vector(raw)
+        return await decode_gguf_off_loop(raw)
     except CodecError as exc:
         raise InvalidField("body", f"the GGUF upload {exc}", code="invalid_gguf") from exc

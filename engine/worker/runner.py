@@ -1,4 +1,4 @@
-"""The thin vLLM adapter: patch the V1 model runner so it steers.
+"""The vLLM adapter for the V1 model runner, and what both adapters share.
 
 Three hooks on ``GPUModelRunner`` (``CPUModelRunner`` subclasses it and overrides
 only ``load_model``, so that one is patched on both classes):
@@ -8,17 +8,21 @@ only ``load_model``, so that one is patched on both classes):
   seen steered requests and fill the per-token slot index;
 * ``_on_request_state_removed``: vLLM's hook for finished requests; release slots.
 
-Everything else (tables, slots, phases) lives in :mod:`engine.worker.tables`.
+:func:`attach` (tables + layer wrapping + the start-up checks that need a built
+runner) and :func:`payload_of` are shared with :mod:`engine.worker.runner_v2`.
+Everything else (tables, slots, phases) lives in :mod:`engine.worker.tables`; what
+the hooks rely on is checked by :mod:`engine.worker.contract` before the engine serves.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from engine.payload import XARGS_KEY, Payload, decode_payload
+from engine.worker import contract
 from engine.worker.layers import find_decoder_layers, wrap_layers
 from engine.worker.tables import SteeringTables, StepRequest
 
@@ -28,7 +32,7 @@ _PATCHED = "_steergate_patched"
 
 
 def install() -> None:
-    """Patch the runner classes (idempotent)."""
+    """Patch the V1 runner classes (idempotent). Run :func:`contract.v1_problems` first."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     classes: list[type] = [GPUModelRunner]
@@ -48,49 +52,38 @@ def install() -> None:
             setattr(cls, "_on_request_state_removed",  # noqa: B010
                     _on_removed(GPUModelRunner._on_request_state_removed))
         setattr(cls, _PATCHED, True)
-    _refuse_v2_runner()
-
-
-def _refuse_v2_runner() -> None:
-    """The V2 GPU runner (``v1/worker/gpu/``) has a different batch layout that we
-    do not hook; fail at load instead of serving requests without steering."""
-    try:
-        from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2
-    except Exception:  # not importable here (e.g. CPU build without Triton)
-        return
-    if V2.__dict__.get(_PATCHED):
-        return
-    original = V2.load_model
-
-    @functools.wraps(original)
-    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(
-            "steergate supports vLLM's V1 model runner only; start the engine with "
-            "VLLM_USE_V2_MODEL_RUNNER=0 (steergate engine sets it by default)"
-        )
-
-    setattr(V2, "load_model", load_model)  # noqa: B010
-    setattr(V2, _PATCHED, True)
 
 
 def _after_load(load_model: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(load_model)
     def load_model_and_wrap(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = load_model(self, *args, **kwargs)
-        _attach(self)
+        if attach(self, contract.V1_RUNNER_ATTRS) is not None:
+            self._steergate_seen = set()
         return result
 
     return load_model_and_wrap
 
 
-def _attach(runner: Any) -> None:
-    layers, present = find_decoder_layers(runner.get_model())
+def attach(runner: Any, required: Sequence[str]) -> SteeringTables | None:
+    """Allocate the tables and wrap the model's decoder layers, after checking the
+    runner's instance attributes (``required``) and its features. Returns the new
+    tables, or None when the runner already had them."""
     existing: SteeringTables | None = getattr(runner, "_steergate", None)
     if existing is not None:
         # load_model ran again (a new model object): wrap its layers around the same
         # tables; wrapping is idempotent per layer, so the same model is not re-wrapped.
-        wrap_layers(layers, present, existing)
-        return
+        wrap_layers(*find_decoder_layers(runner.get_model()), existing)
+        return None
+    contract.raise_if(
+        f"vLLM {type(runner).__name__} does not match the steering adapter",
+        contract.attribute_problems(runner, required),
+    )
+    contract.raise_if(
+        "this engine configuration cannot be steered exactly",
+        contract.feature_problems(runner.vllm_config),
+    )
+    layers, present = find_decoder_layers(runner.get_model())
     compilation = runner.vllm_config.compilation_config
     # CUDA graphs pad a step up to a capture size; padded tokens must find row 0.
     capture = int(getattr(compilation, "max_cudagraph_capture_size", 0) or 0)
@@ -105,11 +98,11 @@ def _attach(runner: Any) -> None:
     )
     wrap_layers(layers, present, tables)
     runner._steergate = tables
-    runner._steergate_seen = set()
     logger.info(
-        "steergate: steering %d layers x 3 hooks, %d slots, %d-token index",
-        len(present), tables.num_slots, max_tokens,
+        "steergate: steering %d layers x 3 hooks, %d slots, %d-token index (%s)",
+        len(present), tables.num_slots, max_tokens, type(runner).__module__,
     )
+    return tables
 
 
 def _after_prepare(prepare: Callable[..., Any]) -> Callable[..., Any]:
@@ -132,7 +125,8 @@ def _fill(runner: Any, tables: SteeringTables, num_tokens: int) -> None:
     for req_id in req_ids:
         if req_id not in seen:
             seen.add(req_id)
-            payload = _payload_of(runner.requests.get(req_id), req_id)
+            state = runner.requests.get(req_id)
+            payload = payload_of(getattr(state, "sampling_params", None), req_id)
             if payload is not None:
                 tables.add_request(req_id, payload)
     if tables.num_steered_requests == 0 and not tables.index_dirty:
@@ -148,8 +142,8 @@ def _fill(runner: Any, tables: SteeringTables, num_tokens: int) -> None:
     tables.fill(step, num_tokens)
 
 
-def _payload_of(state: Any, req_id: str) -> Payload | None:
-    params = getattr(state, "sampling_params", None)
+def payload_of(params: Any, req_id: str) -> Payload | None:
+    """The steering payload in a request's ``SamplingParams.extra_args``, if any."""
     extra = getattr(params, "extra_args", None) or {}
     text = extra.get(XARGS_KEY)
     if not text:

@@ -80,6 +80,11 @@ class SteeringTables:
         else:
             self._host = torch.zeros(self.max_tokens, dtype=torch.int64, pin_memory=True)
         self._host_np = self._host.numpy()
+        # The staging buffer is reused every step. With async scheduling the host may
+        # prepare step k+1 before the GPU has run step k's copy out of it, so the next
+        # fill waits for that copy (vLLM's V1 runner already serialises its input
+        # preparation this way; the V2 runner does not, it rotates buffers instead).
+        self._copied = torch.cuda.Event() if dev.type == "cuda" else None
         self._filled_hi = 0  # index[:_filled_hi] may be non-zero
         self._free: list[int] = list(range(self.num_slots - 1, 0, -1))
         self._slots: dict[int, _Slot] = {}
@@ -137,6 +142,8 @@ class SteeringTables:
         steered = [r for r in batch if r.req_id in self._payloads]
         if not steered and self._filled_hi == 0:
             return  # fast path: nothing steered now or in the previous step
+        if self._copied is not None:
+            self._copied.synchronize()
         idx = self._host_np
         idx[: self._filled_hi] = 0
         in_batch = {self._payloads[r.req_id].digest for r in steered}
@@ -157,6 +164,8 @@ class SteeringTables:
         self._filled_hi = hi
         if self._host is not self.index and copy_hi:
             self.index[:copy_hi].copy_(self._host[:copy_hi], non_blocking=True)
+            if self._copied is not None:
+                self._copied.record()
         del num_tokens  # the index beyond the filled range is always zero
 
     # ---- slots ------------------------------------------------------------

@@ -5,15 +5,18 @@
 -- KEYS[1] gcra:req (TAT ms)   KEYS[2] gcra:tok (TAT ms)   KEYS[3] leases (ZSET id -> expiry ms)
 -- KEYS[4] usage minute hash   KEYS[5] usage total hash
 -- KEYS[6] latches (ZSET conv -> last use ms)  KEYS[7] latch info (HASH conv -> "bytes:kind")
--- KEYS[8] latch bytes (STRING Σ bytes)
+-- KEYS[8] latch bytes (STRING Σ bytes)   KEYS[9] latch specs (HASH conv -> spec)
+-- KEYS[10] vectors (HASH name -> JSON metadata)
 -- ARGV[1] now ms   ARGV[2] rpm   ARGV[3] tpm   ARGV[4] token cost (<= tpm)
 -- ARGV[5] max_concurrency   ARGV[6] lease id   ARGV[7] lease expiry ms
 -- ARGV[8] conversation id ("" = none)   ARGV[9] "1" = store a latch
 -- ARGV[10] latch bytes   ARGV[11] latch kind ("value"|"ref")
 -- ARGV[12] latch_count quota   ARGV[13] latch_bytes quota   ARGV[14] policy ("evict_oldest"|"reject")
--- ARGV[15] usage minute TTL s
+-- ARGV[15] usage minute TTL s   ARGV[16] number of named vectors N   ARGV[17..16+N] their names
 -- Returns {status, retry_ms, req_remaining, req_reset_ms, tok_remaining, tok_reset_ms,
---          prev_latch_info ("" if none), evicted conv ids...}
+--          latch_info of the conversation before this request ("" if none),
+--          N digests of the named vectors ("" where the tenant has no such vector),
+--          evicted conv ids...}
 -- status: 0 admitted, 1 requests/min, 2 tokens/min, 3 concurrency, 4 latch quota.
 
 local PERIOD = 60000
@@ -42,6 +45,10 @@ local function reject(status, retry, rr, rreset, tr, treset)
   return {status, retry, rr, rreset, tr, treset, ""}
 end
 
+-- The latch Redis holds for the conversation: the engine is told to expect exactly it.
+local prev = ""
+if conv ~= "" then prev = redis.call("HGET", KEYS[7], conv) or "" end
+
 -- 1. Concurrency: expired leases (crashed gateways) are swept first.
 redis.call("ZREMRANGEBYSCORE", KEYS[3], "-inf", now)
 local inflight = redis.call("ZCARD", KEYS[3])
@@ -56,11 +63,10 @@ if not r_ok then return reject(1, r_retry, r_rem, r_reset, t_rem, t_reset) end
 if not t_ok then return reject(2, t_retry, r_rem, r_reset, t_rem, t_reset) end
 
 -- 3. Latch quota: plan evictions (own LRU latches only) before writing anything.
-local prev, evicted = "", {}
+local evicted = {}
 local new_total = 0
 if conv ~= "" and want_latch then
   local nbytes, max_count, max_bytes = tonumber(ARGV[10]), tonumber(ARGV[12]), tonumber(ARGV[13])
-  prev = redis.call("HGET", KEYS[7], conv) or ""
   local prev_bytes = tonumber(string.match(prev, "^(%d+)") or "0")
   local count = redis.call("ZCARD", KEYS[6]) - (prev ~= "" and 1 or 0)
   local total = tonumber(redis.call("GET", KEYS[8]) or "0") - prev_bytes
@@ -96,6 +102,7 @@ if conv ~= "" then
     for _, victim in ipairs(evicted) do
       redis.call("ZREM", KEYS[6], victim)
       redis.call("HDEL", KEYS[7], victim)
+      redis.call("HDEL", KEYS[9], victim)
     end
     redis.call("ZADD", KEYS[6], now, conv)
     redis.call("HSET", KEYS[7], conv, ARGV[10] .. ":" .. ARGV[11])
@@ -105,5 +112,10 @@ if conv ~= "" then
   end
 end
 local out = {0, 0, r_rem, r_reset, t_rem, t_reset, prev}
+local n_names = tonumber(ARGV[16] or "0")
+for i = 1, n_names do
+  local meta = redis.call("HGET", KEYS[10], ARGV[16 + i]) or ""
+  out[#out + 1] = string.match(meta, '"digest":"(%x+)"') or ""
+end
 for _, victim in ipairs(evicted) do out[#out + 1] = victim end
 return out

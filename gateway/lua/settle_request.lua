@@ -3,12 +3,14 @@
 -- and fix latch state from the engine's x-steering-latch answer.
 --
 -- KEYS: as admit_request.lua (gcra:req, gcra:tok, leases, usage minute, usage total,
---       latches, latch info, latch bytes)
+--       latches, latch info, latch bytes, latch specs, vectors)
 -- ARGV[1] now ms   ARGV[2] lease id   ARGV[3] tpm   ARGV[4] token delta (actual - reserved)
 -- ARGV[5] status class ("2xx"|"4xx"|"5xx"|"")   ARGV[6] tokens used
 -- ARGV[7] conversation id ("" = none)
--- ARGV[8] latch action: "" none | "keep" engine stored it | "drop" engine has none |
---         "restore" request failed: put ARGV[9] (previous "bytes:kind", "" = none) back
+-- ARGV[8] latch action: "" none | "keep" engine stored it | "drop" the latch is gone
+--         (refused or stale: its spec goes too) |
+--         "restore" request failed: put ARGV[9] (previous info, "" = none) back; the spec
+--         hash was never changed by the failed request (keep_latch.lua writes it)
 -- ARGV[9] previous latch info   ARGV[10] usage minute TTL s
 -- Returns 1 when action was "keep" but the latch is no longer ours in Redis (it was
 -- evicted while the request ran): the caller must DELETE it on the engine. Else 0.
@@ -56,12 +58,15 @@ if action == "keep" then
   return 0
 elseif action == "drop" then
   remove()
+  redis.call("HDEL", KEYS[9], conv)
 elseif action == "restore" then
   remove()
   if ARGV[9] ~= "" then
     redis.call("ZADD", KEYS[6], now, conv)
     redis.call("HSET", KEYS[7], conv, ARGV[9])
     redis.call("INCRBY", KEYS[8], bytes_of(ARGV[9]))
+  else
+    redis.call("HDEL", KEYS[9], conv)
   end
 end
 return 0

@@ -21,11 +21,12 @@ from pydantic import BaseModel, Field
 from gateway import usage
 from gateway.auth import require_admin
 from gateway.deps import get_services
+from gateway.engines import EngineClient
 from gateway.overview import capacity, engine_statuses
 from gateway.tenants import Limits, Tenant, TenantStore
-from gateway.upstream import EnginePool, UpstreamResponse
 from shared.errors import APIError, InvalidField
-from shared.scoping import check_tenant_id, tenant_prefix
+from shared.jsondepth import check_json_depth
+from shared.scoping import check_tenant_id
 
 log = logging.getLogger("steergate.gateway.admin")
 
@@ -80,14 +81,15 @@ def _store(request: Request) -> TenantStore:
     return get_services(request).tenants
 
 
-def _pool(request: Request) -> EnginePool:
-    return get_services(request).pool
+def _engines(request: Request) -> EngineClient:
+    return get_services(request).engines
 
 
 async def _json_object(request: Request) -> dict[str, Any]:
     raw = await request.body()
     if not raw.strip():
         return {}
+    check_json_depth(raw)
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -161,47 +163,12 @@ async def update_tenant(tenant_id: str, request: Request) -> dict[str, Any]:
 async def delete_tenant(tenant_id: str, request: Request) -> Response:
     if not await _store(request).delete(tenant_id):
         raise APIError(404, "tenant_not_found", f"no tenant '{tenant_id}'", param="id")
-    await _sweep_engines(_pool(request), tenant_id)
+    await get_services(request).sync.sync_tenant(tenant_id)
     metrics = getattr(request.app.state, "metrics", None)
     if metrics is not None:
         metrics.forget_tenant(tenant_id)
     log.info("tenant %s deleted", tenant_id)
     return Response(status_code=204)
-
-
-async def _sweep_engines(pool: EnginePool, tenant_id: str) -> None:
-    """Delete whatever the engines still hold under the tenant's scope.
-
-    ``TenantStore.delete`` removes what Redis knew about; this catches what Redis did
-    not (drift, a crash mid-request), so a later tenant with the same id starts empty.
-    Best effort: an unreachable engine loses its latches on restart anyway."""
-    prefix = tenant_prefix(tenant_id)
-    listed = await pool.broadcast("GET", f"/v1/steering/latches?prefix={prefix}")
-    vectors = await pool.broadcast("GET", f"/v1/steering/vectors?prefix={prefix}")
-    deletes: list[str] = []
-    for r in listed:
-        for row in _rows(r, "latches"):
-            conv = str(row.get("conversation_id", ""))
-            if conv.startswith(prefix):
-                deletes.append(f"/v1/steering/latches/{conv}")
-    for r in vectors:
-        for row in _rows(r, "vectors"):
-            name = str(row.get("name", ""))
-            if name.startswith(prefix):
-                deletes.append(f"/v1/steering/vectors/{name}")
-    for path in sorted(set(deletes)):
-        await pool.broadcast("DELETE", path)
-
-
-def _rows(r: UpstreamResponse | APIError, field: str) -> list[dict[str, Any]]:
-    if not isinstance(r, UpstreamResponse) or r.status != 200:
-        return []
-    try:
-        doc = r.json()
-    except ValueError:
-        return []
-    rows = doc.get(field, doc.get("data", [])) if isinstance(doc, dict) else doc
-    return [row for row in rows if isinstance(row, dict)] if isinstance(rows, list) else []
 
 
 # ------------------------------------------------------------------------- keys
@@ -253,7 +220,7 @@ async def all_usage(
     rows = await asyncio.gather(
         *(usage.read_usage(store.redis, t, now, history=history) for t in shown)
     )
-    caps = _pool(request).caps()
+    caps = _engines(request).pool.caps()
     return {
         "tenants": [r.model_dump(mode="json", exclude_none=True) for r in rows],
         "capacity": {k: v.model_dump() for k, v in capacity(tenants, caps).items()},
@@ -262,5 +229,5 @@ async def all_usage(
 
 @router.get("/engines")
 async def engines(request: Request) -> dict[str, Any]:
-    statuses = await engine_statuses(_pool(request))
+    statuses = await engine_statuses(_engines(request))
     return {"engines": [s.model_dump(mode="json") for s in statuses]}

@@ -20,13 +20,13 @@ async def healthz() -> dict[str, str]:
 
 @router.get("/readyz")
 async def readyz(svc: ServicesDep) -> Response:
-    """Ready when Redis answers and at least one engine answers its info route."""
+    """Ready when Redis answers and at least one engine answered its info route at the
+    last poll (the poller runs every ``reconcile_interval_s``; a probe never fans out)."""
     try:
         redis_ok = bool(await asyncio.wait_for(svc.redis.ping(), 1.0))
     except Exception:
         redis_ok = False
-    await svc.pool.refresh()
-    engines = sum(1 for e in svc.pool.engines if e.healthy and e.info is not None)
+    engines = sum(1 for e in svc.engines.engines if e.healthy and e.info is not None)
     ok = redis_ok and engines >= 1
     return Response(
         orjson.dumps(
@@ -39,5 +39,5 @@ async def readyz(svc: ServicesDep) -> Response:
 
 @router.get("/v1/models")
 async def models(tenant: TenantDep, svc: ServicesDep) -> Response:
-    r = await svc.pool.request("GET", "/v1/models")
+    r = await svc.engines.models()
     return Response(r.body, status_code=r.status, media_type="application/json")

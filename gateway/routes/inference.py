@@ -1,15 +1,20 @@
 """``POST /v1/chat/completions`` and ``POST /v1/completions``.
 
-The request path, top to bottom: auth (``auth.get_tenant``) -> scoping (rewrite.prepare_inference)
--> limits (one admit_request.lua call) -> proxy (upstream) -> accounting (Settler,
-queued). The engine's JSON is passed through byte for byte unless the gateway must
-change it (scoped ids scrubbed, ``steering`` filled in, ``evicted_quota``).
+The request path, top to bottom: auth (``auth.get_tenant``) -> scoping
+(``scoping.prescan``: ids, names, latch size) -> limits (one admit_request.lua call)
+-> scoping again (``scoping.prepare_inference``: vector values, scoped ids) -> proxy
+(``proxy.Turn``: the engine call, its cache filled from Redis on a miss) ->
+accounting (``accounting.Settler``, queued). The engine's JSON is passed through
+byte for byte unless the gateway must change it (scoped ids scrubbed, ``steering``
+filled in, ``evicted_quota``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -21,11 +26,14 @@ from starlette.routing import request_response
 from gateway.accounting import Outcome
 from gateway.auth import get_tenant
 from gateway.deps import Services, get_services
-from gateway.limits import Admission, estimate_tokens
-from gateway.rewrite import Prepared, prepare_inference, scrub
-from gateway.upstream import UpstreamBroken
+from gateway.limits import Admission
+from gateway.proxy import Turn
+from gateway.scoping import Head, Prepared, prepare_inference, prescan, scrub
+from gateway.stream_meter import StreamMeter, prompt_estimate
+from gateway.upstream import EngineUnreachable, UpstreamBroken, UpstreamResponse, UpstreamStream
+from shared.engine_api import LATCH_HEADER
 from shared.errors import APIError, InvalidField
-from shared.scoping import scope
+from shared.jsondepth import check_json_depth
 
 log = logging.getLogger("steergate.gateway.inference")
 
@@ -56,6 +64,7 @@ async def completions(request: Request) -> Response:
 
 async def read_json_object(request: Request) -> dict[str, Any]:
     raw = await request.body()
+    check_json_depth(raw)  # 1,000-deep JSON parses, then 500s in orjson.dumps
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -69,23 +78,26 @@ async def proxy_inference(request: Request, path: str) -> Response:
     tenant = await get_tenant(request)
     svc = get_services(request)
     body = await read_json_object(request)
-    prep = prepare_inference(body, tenant, svc.pool.shape())
+    head = prescan(body)  # ids validated in full; nothing proportional to vector data yet
+    shape = svc.engines.shape()
     adm = await svc.limiter.admit(
         tenant,
-        tokens=estimate_tokens(body),
-        conversation_id=prep.conversation_id,
-        latch=bool(prep.steering and prep.steering.latch),
-        latch_bytes=prep.latch_bytes,
-        latch_kind=prep.latch_kind,
+        tokens=head.tokens,
+        conversation_id=head.conversation_id,
+        latch=head.latch,
+        latch_bytes=head.latch_bytes(shape),
+        latch_kind=head.latch_kind,
+        vector_names=list(head.names),
     )
     try:
-        if adm.evicted:
-            await evict_on_engines(svc, tenant.id, adm.evicted)
-        engine = svc.pool.pick(prep.scoped_conversation_id)
-        content = orjson.dumps(body)
-        if prep.stream:
-            return await _stream(svc, adm, prep, path, content, engine)
-        return await _unary(svc, adm, prep, path, content, engine)
+        _check_names(head, adm)
+        prep = await _prepare(body, head, tenant, shape, adm, request)
+        if adm.evicted:  # the engines' copies are harmless (never bridged) but use memory
+            svc.engines.forget_latches_soon(tenant.id, adm.evicted)
+        turn = Turn(svc, adm, head, prep, body, path)
+        if head.stream:
+            return await _stream(turn)
+        return await _unary(turn)
     except APIError as exc:
         _settle(svc, adm, exc.status, 0, None)
         exc.headers = {**adm.headers, **exc.headers}
@@ -95,11 +107,36 @@ async def proxy_inference(request: Request, path: str) -> Response:
         raise
 
 
-async def evict_on_engines(svc: Services, tenant_id: str, conversation_ids: list[str]) -> None:
-    """Quota evictions are carried out before the new latch is stored, so the
-    engine never holds more than the tenant's quota because of this request."""
-    for conv in conversation_ids:
-        await svc.pool.broadcast("DELETE", f"/v1/steering/latches/{scope(tenant_id, conv)}")
+def _check_names(head: Head, adm: Admission) -> None:
+    """Named vectors the tenant does not have: 400, decided by admission's read."""
+    if adm.unmetered:
+        return
+    for name in head.names:
+        if not adm.vector_digests.get(name):
+            raise InvalidField(
+                "steering.vectors", f"no vector named '{name}'", code="unknown_vector"
+            )
+
+
+#: Bodies larger than this are validated in a worker thread: converting megabytes of
+#: vector data must not hold the event loop (every other tenant's requests).
+OFF_LOOP_BYTES = 256 * 1024
+
+
+async def _prepare(
+    body: dict[str, Any],
+    head: Head,
+    tenant: Any,
+    shape: Any,
+    adm: Admission,
+    request: Request,
+) -> Prepared:
+    size = int(request.headers.get("content-length") or 0)
+    if size > OFF_LOOP_BYTES:
+        return await asyncio.to_thread(
+            prepare_inference, body, head, tenant, shape, adm.vector_digests
+        )
+    return prepare_inference(body, head, tenant, shape, adm.vector_digests)
 
 
 def _settle(
@@ -127,14 +164,31 @@ def _total_tokens(doc: Any) -> int:
     return -1  # unknown: keep the reservation as the charge
 
 
-async def _unary(
-    svc: Services, adm: Admission, prep: Prepared, path: str, content: bytes, engine: Any
-) -> Response:
-    r = await svc.pool.request("POST", path, engine=engine, content=content)
+async def _send(turn: Turn) -> UpstreamResponse:
+    """The turn's unary exchange, filling the engine's cache on a miss and moving to the
+    next engine when one cannot be reached."""
+    attempt = 0
+    while True:
+        try:
+            r = await turn.svc.engines.complete(turn.engine, turn.path, turn.content())
+        except EngineUnreachable:
+            if not turn.failover():
+                raise
+            continue
+        if not await turn.handle_miss(r.status, r.body, attempt):
+            return r
+        attempt += 1
+
+
+async def _unary(turn: Turn) -> Response:
+    svc, adm, prep = turn.svc, turn.adm, turn.prep
+    r = await _send(turn)
     tenant_id = adm.tenant.id
     ok = 200 <= r.status < 300
     body = scrub(r.body, tenant_id, error=not ok)
-    engine_state = r.headers.get("x-steering-latch")
+    engine_state = turn.state_override or r.headers.get(LATCH_HEADER)
+    if ok:
+        await turn.keep_latch(engine_state)
     state = _latch_state(adm, engine_state)
     tokens = -1
     if ok:
@@ -149,18 +203,30 @@ async def _unary(
                 applied = (
                     steering.get("applied")
                     if isinstance(steering, dict)
-                    else (prep.steering is not None or state == "bridged")
+                    else (prep.steering is not None or state in ("bridged", "restored"))
                 )
                 doc["steering"] = {"applied": bool(applied), "latch": state}
                 body = orjson.dumps(doc)
     _settle(svc, adm, r.status, tokens, engine_state, prep.steering is not None)
-    headers = {**adm.headers, "x-steering-latch": state}
+    headers = {**adm.headers, LATCH_HEADER: state}
     return Response(
         body,
         status_code=r.status,
         headers=headers,
         media_type=r.headers.get("content-type", "application/json"),
     )
+
+
+@dataclass
+class _Replayed:
+    """An answer already read (a 409 that was not a cache miss), shaped like a stream."""
+
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    async def read(self) -> bytes:
+        return self.body
 
 
 class _RelayResponse(StreamingResponse):
@@ -179,11 +245,38 @@ class _RelayResponse(StreamingResponse):
             await self._on_exit()
 
 
-async def _stream(
-    svc: Services, adm: Admission, prep: Prepared, path: str, content: bytes, engine: Any
-) -> Response:
-    cm = svc.pool.stream(path, content, engine=engine)
-    up = await cm.__aenter__()
+async def _open_stream(turn: Turn) -> tuple[Any, UpstreamStream, bytes]:
+    """The turn's stream, opened once the engine holds what the turn needs (a cache
+    miss is answered before any event, as a plain 409); returns (context, stream,
+    content sent). A non-200 answer comes back open, for the caller to relay."""
+    attempt = 0
+    while True:
+        content = turn.content()
+        cm = turn.svc.engines.stream(turn.engine, turn.path, content)
+        try:
+            up = await cm.__aenter__()
+        except EngineUnreachable:
+            if not turn.failover():
+                raise
+            continue
+        if up.status != 409:
+            return cm, up, content
+        try:
+            data = await up.read()
+        except UpstreamBroken as exc:
+            await cm.__aexit__(None, None, None)
+            raise APIError(
+                502, "engine_unavailable", "The inference engine is unavailable."
+            ) from exc
+        await cm.__aexit__(None, None, None)
+        if not await turn.handle_miss(up.status, data, attempt):
+            return cm, _Replayed(up.status, up.headers, data), content
+        attempt += 1
+
+
+async def _stream(turn: Turn) -> Response:
+    svc, adm, prep = turn.svc, turn.adm, turn.prep
+    cm, up, content = await _open_stream(turn)
     tenant_id = adm.tenant.id
     if up.status != 200:
         try:
@@ -194,17 +287,22 @@ async def _stream(
             ) from exc
         finally:
             await cm.__aexit__(None, None, None)
-        _settle(svc, adm, up.status, 0, up.headers.get("x-steering-latch"))
+        _settle(svc, adm, up.status, 0, up.headers.get(LATCH_HEADER))
         return Response(
             scrub(data, tenant_id, error=True),
             status_code=up.status,
-            headers={**adm.headers, "x-steering-latch": "none"},
+            headers={**adm.headers, LATCH_HEADER: "none"},
             media_type=up.headers.get("content-type", "application/json"),
         )
-    engine_state = up.headers.get("x-steering-latch")
+    engine_state = turn.state_override or up.headers.get(LATCH_HEADER)
+    # Recorded before the first event reaches the client: its next turn may come at once.
+    await turn.keep_latch(engine_state)
     marker = f"{tenant_id}~".encode()
     # What the relay has seen; settled once, by whichever of relay/on_exit ends last.
-    seen: dict[str, Any] = {"tokens": -1, "status": 0, "done": False}
+    seen: dict[str, Any] = {"status": 0, "done": False}
+    # A stream cut short (client left, engine broke) has no final usage: it is charged
+    # the prompt plus what was generated so far, not the reservation (stream_meter.py).
+    meter = StreamMeter()
 
     async def finish() -> None:
         if seen["done"]:
@@ -213,7 +311,8 @@ async def _stream(
         await cm.__aexit__(None, None, None)
         # The engine's latch decision arrived with the headers, before any body, so it
         # holds even if the stream later broke or the client left (status 0).
-        _settle(svc, adm, seen["status"], seen["tokens"], engine_state, prep.steering is not None)
+        tokens = meter.tokens(lambda: prompt_estimate(content))
+        _settle(svc, adm, seen["status"], tokens, engine_state, prep.steering is not None)
 
     async def relay() -> AsyncIterator[bytes]:
         buf = b""
@@ -222,13 +321,11 @@ async def _stream(
                 buf += chunk
                 while b"\n\n" in buf:
                     event, buf = buf.split(b"\n\n", 1)
-                    out, used = _relay_event(event, prep.include_usage, marker)
-                    seen["tokens"] = used if used >= 0 else seen["tokens"]
+                    out = _relay_event(event, prep.include_usage, marker, meter)
                     if out is not None:
                         yield out
             if buf.strip():
-                out, used = _relay_event(buf, prep.include_usage, marker)
-                seen["tokens"] = used if used >= 0 else seen["tokens"]
+                out = _relay_event(buf, prep.include_usage, marker, meter)
                 if out is not None:
                     yield out
             seen["status"] = 200
@@ -241,7 +338,7 @@ async def _stream(
 
     headers = {
         **adm.headers,
-        "x-steering-latch": _latch_state(adm, engine_state),
+        LATCH_HEADER: _latch_state(adm, engine_state),
         "cache-control": "no-cache",
         "x-accel-buffering": "no",
     }
@@ -250,22 +347,23 @@ async def _stream(
     )
 
 
-def _relay_event(event: bytes, client_wants_usage: bool, marker: bytes) -> tuple[bytes | None, int]:
-    """One SSE event out (or None to drop it) and the total tokens it reports (-1)."""
+def _relay_event(
+    event: bytes, client_wants_usage: bool, marker: bytes, meter: StreamMeter
+) -> bytes | None:
+    """One SSE event out (or None to drop it); what it reports goes to ``meter``."""
     if marker in event:
         event = event.replace(marker, b"")
-    used = -1
-    if b'"usage"' in event and event.startswith(b"data: {"):
+    if event.startswith(b"data: {"):
         try:
             doc = orjson.loads(event[6:])
         except orjson.JSONDecodeError:
             doc = None
-        used = _total_tokens(doc)
+        meter.observe(doc)
         if (
-            used >= 0
-            and not client_wants_usage
+            not client_wants_usage
             and isinstance(doc, dict)
             and not doc.get("choices")
+            and _total_tokens(doc) >= 0
         ):
-            return None, used  # the usage-only chunk we asked for ourselves
-    return event + b"\n\n", used
+            return None  # the usage-only chunk we asked for ourselves
+    return event + b"\n\n"

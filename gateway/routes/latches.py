@@ -1,5 +1,7 @@
-"""A tenant's latches: listed from Redis accounting (reconciled with the engines),
-deleted on every engine under the scoped id. Clients only ever see their own ids."""
+"""A tenant's latches, as Redis (the system of record) holds them. A delete removes
+the latch and its spec from Redis, then from every engine's cache (best effort: an
+engine that misses it is dirty and synced before it serves again). Clients only
+ever see their own ids."""
 
 from __future__ import annotations
 
@@ -10,9 +12,8 @@ from gateway import keys
 from gateway.auth import TenantDep
 from gateway.deps import ServicesDep
 from gateway.store import store_errors
-from gateway.upstream import UpstreamResponse
 from shared.errors import APIError
-from shared.scoping import check_conversation_id, scope
+from shared.scoping import check_conversation_id
 
 router = APIRouter(tags=["latches"])
 
@@ -24,7 +25,7 @@ async def list_latches(tenant: TenantDep, svc: ServicesDep) -> Response:
         info = await svc.redis.hgetall(keys.latch_info(tenant.id))
     rows = []
     for conv, used in reversed(members):  # most recently used first
-        nbytes, _, kind = (info.get(conv) or "0:ref").partition(":")
+        nbytes, kind = (info.get(conv) or "0:ref").split(":")[:2]
         rows.append(
             {
                 "conversation_id": conv,
@@ -41,18 +42,14 @@ async def delete_latch(conversation_id: str, tenant: TenantDep, svc: ServicesDep
     check_conversation_id(conversation_id)
     async with store_errors():
         removed = await svc.scripts.drop_latch(
-            keys=[keys.latches(tenant.id), keys.latch_info(tenant.id), keys.latch_bytes(tenant.id)],
-            args=[conversation_id],
+            keys=keys.latch_keys(tenant.id), args=[conversation_id]
         )
-    results = await svc.pool.broadcast(
-        "DELETE", f"/v1/steering/latches/{scope(tenant.id, conversation_id)}"
-    )
-    on_engine = any(isinstance(r, UpstreamResponse) and r.status == 204 for r in results)
-    if not removed and not on_engine:
+    if not removed:
         raise APIError(
             404,
             "latch_not_found",
             f"No latch for conversation '{conversation_id}'.",
             param="conversation_id",
         )
+    await svc.engines.delete_latch_everywhere(tenant.id, conversation_id)
     return Response(status_code=204)

@@ -2,6 +2,9 @@
 
 A scrape never fails because Redis or an engine is down: that is exactly what it
 must report (``steergate_store_up 0``, ``steergate_engine_up{...} 0``).
+
+It needs the scrape token or the admin key (``auth.require_metrics_reader``): it lists
+every tenant's usage and the engines' URLs, and each scrape costs Redis and engine calls.
 """
 
 from __future__ import annotations
@@ -9,10 +12,11 @@ from __future__ import annotations
 import asyncio
 import time
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from gateway import usage
+from gateway.auth import require_metrics_reader
 from gateway.deps import Services, get_services
 from gateway.metrics import (
     CONTENT_TYPE,
@@ -24,7 +28,7 @@ from gateway.metrics import (
 )
 from gateway.overview import engine_statuses
 
-router = APIRouter(include_in_schema=False)
+router = APIRouter(include_in_schema=False, dependencies=[Depends(require_metrics_reader)])
 
 
 async def _tenant_samples(svc: Services) -> dict[str, TenantSample]:
@@ -61,7 +65,7 @@ async def snapshot(svc: Services) -> Snapshot:
                 if isinstance(v, (int, float)) and not isinstance(v, bool)
             },
         )
-        for s in await engine_statuses(svc.pool)
+        for s in await engine_statuses(svc.engines)
     )
     return Snapshot(store_up=store_up, store_ping_s=ping_s, tenants=quotas, engines=engines)
 

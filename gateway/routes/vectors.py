@@ -1,9 +1,13 @@
-"""Named steering vectors: per tenant, quota-checked in Redis, registered on every
-engine under the tenant-scoped name (a conversation may be routed to any engine).
+"""Named steering vectors: per tenant, kept whole in Redis (metadata and data, within
+the tenant's vector quota), installed on the engines as a cache.
 
-GGUF control vectors (``application/octet-stream``) are decoded here, validated
-against the model shape, counted at float32 size, and forwarded as JSON packed
-float32 — the engine only ever parses one format.
+A PUT is admitted by the limiter before its body is parsed, then decoded (GGUF off
+the event loop), validated against the model shape, and written to Redis in one
+script (quota check, metadata, data). Engines get it right away, best effort: one
+that is down or fails the write is marked dirty and synced before it serves again,
+and any engine that lacks it later installs it from Redis on first use
+(``vector_missing``, see docs/architecture.md). GGUF uploads are stored and
+installed as packed float32 JSON, so an engine only ever parses one format.
 """
 
 from __future__ import annotations
@@ -16,28 +20,20 @@ import orjson
 from fastapi import APIRouter, Request, Response
 
 from gateway import keys
+from gateway.accounting import Outcome
 from gateway.auth import TenantDep
 from gateway.deps import Services, ServicesDep
-from gateway.rewrite import scrub
 from gateway.routes.inference import read_json_object
 from gateway.store import store_errors
-from gateway.upstream import UpstreamResponse
-from shared.codecs import CodecError, decode_gguf_control_vector, encode_packed, vector_digest
+from shared.codecs import CodecError, decode_gguf_off_loop, encode_packed, vector_digest
 from shared.errors import APIError, InvalidField
-from shared.scoping import check_vector_name, scope
-from shared.steering import ModelShape, check_vectors, parse_vector_body
+from shared.scoping import check_vector_name
+from shared.steering import check_vectors, parse_vector_body
 
 router = APIRouter(tags=["vectors"])
 
-
-async def _shape(svc: Services) -> ModelShape:
-    shape = svc.pool.shape()
-    if shape is None:
-        await svc.pool.refresh()
-        shape = svc.pool.shape()
-    if shape is None:
-        raise APIError(502, "engine_unavailable", "The inference engine is unavailable.")
-    return shape
+#: Metadata fields a client sees (the rest of the stored record is ours).
+PUBLIC_FIELDS = ("name", "digest", "bytes", "layers", "hook", "description", "updated_at")
 
 
 def _json(doc: Any, status: int = 200) -> Response:
@@ -51,13 +47,31 @@ def _not_found(name: str) -> APIError:
 @router.put("/v1/steering/vectors/{name}")
 async def put_vector(name: str, request: Request, tenant: TenantDep, svc: ServicesDep) -> Response:
     check_vector_name(name)
-    shape = await _shape(svc)
+    adm = await svc.limiter.admit(
+        tenant, tokens=0, conversation_id=None, latch=False, latch_bytes=0, latch_kind="ref"
+    )
+    status = 0
+    try:
+        response = await _put_vector(name, request, tenant.id, tenant.limits, svc)
+        status = response.status_code
+        return response
+    except APIError as exc:
+        status = exc.status
+        raise
+    finally:
+        svc.settler.submit(Outcome(adm, status, 0, None))
+
+
+async def _put_vector(
+    name: str, request: Request, tenant_id: str, lim: Any, svc: Services
+) -> Response:
+    shape = await svc.engines.known_shape()
     description = None
     if request.headers.get("content-type", "").split(";")[0].strip() == "application/octet-stream":
         try:
-            layers = decode_gguf_control_vector(await request.body())
+            layers = await decode_gguf_off_loop(await request.body())
         except CodecError as exc:
-            raise InvalidField("body", f"the GGUF body {exc}") from exc
+            raise InvalidField("body", f"the GGUF body {exc}", code="invalid_gguf") from exc
         hook = "post_block"
         check_vectors(layers, shape, "body")
     else:
@@ -74,11 +88,14 @@ async def put_vector(name: str, request: Request, tenant: TenantDep, svc: Servic
         "description": description,
         "updated_at": time.time(),
     }
-    lim = tenant.limits
+    data: dict[str, Any] = {"hook": hook, "packed": encode_packed(matrix, indices)}
+    if description is not None:
+        data["description"] = description
+    body = orjson.dumps(data)
     async with store_errors():
         status, prev = await svc.scripts.put_vector(
-            keys=[keys.vectors(tenant.id)],
-            args=[name, orjson.dumps(meta), nbytes, lim.vector_count, lim.vector_bytes],
+            keys=keys.vector_keys(tenant_id),
+            args=[name, orjson.dumps(meta), nbytes, lim.vector_count, lim.vector_bytes, body],
         )
     if int(status):
         raise APIError(
@@ -86,51 +103,21 @@ async def put_vector(name: str, request: Request, tenant: TenantDep, svc: Servic
             "vector_quota_exceeded",
             f"Storing this vector would exceed the tenant's vector quota "
             f"({lim.vector_count} vectors, {lim.vector_bytes} bytes).",
-            headers={"retry-after": "60", "retry-after-ms": "60000"},
+            # Waiting does not help: no Retry-After, and the SDKs' retries are told so.
+            headers={"x-should-retry": "false"},
         )
-    payload: dict[str, Any] = {"hook": hook, "packed": encode_packed(matrix, indices)}
-    if description is not None:
-        payload["description"] = description
-    results = await svc.pool.broadcast(
-        "PUT", f"/v1/steering/vectors/{scope(tenant.id, name)}", json=payload
-    )
-    failed = next((r for r in results if isinstance(r, APIError) or r.status >= 300), None)
-    if failed is not None:
-        async with store_errors():  # roll back the quota reservation
-            if prev:
-                await svc.redis.hset(keys.vectors(tenant.id), name, prev)
-            else:
-                await svc.redis.hdel(keys.vectors(tenant.id), name)
-        if isinstance(failed, APIError):
-            raise failed
-        return Response(
-            scrub(failed.body, tenant.id, error=True),
-            status_code=failed.status,
-            media_type="application/json",
-        )
-    first = results[0]
-    if isinstance(first, UpstreamResponse):
-        try:
-            digest = first.json().get("digest")
-        except (orjson.JSONDecodeError, AttributeError):
-            digest = None
-        if isinstance(digest, str) and digest != meta["digest"]:
-            meta["digest"] = digest
-            async with store_errors():
-                await svc.redis.hset(keys.vectors(tenant.id), name, orjson.dumps(meta))
+    # Stored: the tenant's vector exists from here on, whatever the engines do.
+    await svc.engines.put_vector_everywhere(tenant_id, name, body)
     out = {k: meta[k] for k in ("name", "digest", "bytes", "layers", "hook")}
     return _json(out, 200 if prev else 201)
 
 
 @router.get("/v1/steering/vectors")
-async def list_vectors(
-    request: Request, tenant: TenantDep, svc: ServicesDep, include: str | None = None
-) -> Response:
+async def list_vectors(tenant: TenantDep, svc: ServicesDep, include: str | None = None) -> Response:
     async with store_errors():
         rows = await svc.redis.hgetall(keys.vectors(tenant.id))
-    metas = [orjson.loads(rows[n]) for n in sorted(rows)]
-    if include == "data":
-        metas = [await _with_data(svc, tenant.id, m) for m in metas]
+        data = await svc.redis.hgetall(keys.vector_data(tenant.id)) if include == "data" else {}
+    metas = [_public(orjson.loads(rows[n]), data.get(n)) for n in sorted(rows)]
     return _json({"object": "list", "data": metas})
 
 
@@ -141,32 +128,28 @@ async def get_vector(
     check_vector_name(name)
     async with store_errors():
         raw = await svc.redis.hget(keys.vectors(tenant.id), name)
+        data = None
+        if include == "data":
+            data = await svc.redis.hget(keys.vector_data(tenant.id), name)
     if not raw:
         raise _not_found(name)
-    meta = orjson.loads(raw)
-    return _json(await _with_data(svc, tenant.id, meta) if include == "data" else meta)
+    return _json(_public(orjson.loads(raw), data))
 
 
-async def _with_data(svc: Services, tenant_id: str, meta: dict[str, Any]) -> dict[str, Any]:
-    r = await svc.pool.request(
-        "GET",
-        f"/v1/steering/vectors/{scope(tenant_id, meta['name'])}",
-        engine=svc.pool.pick(),
-        params={"include": "data"},
-    )
-    if r.status != 200:
-        raise APIError(502, "engine_unavailable", "The engine does not hold this vector's data.")
-    doc = orjson.loads(scrub(r.body, tenant_id))
-    extra = {k: v for k, v in doc.items() if k not in meta} if isinstance(doc, dict) else {}
-    return {**meta, **extra}
+def _public(meta: dict[str, Any], data: str | None) -> dict[str, Any]:
+    """Metadata, plus ``packed`` (exact float32, accepted back by a PUT) when asked."""
+    out = {k: meta.get(k) for k in PUBLIC_FIELDS}
+    if data is not None:
+        out["packed"] = orjson.loads(data)["packed"]
+    return out
 
 
 @router.delete("/v1/steering/vectors/{name}", status_code=204)
 async def delete_vector(name: str, tenant: TenantDep, svc: ServicesDep) -> Response:
     check_vector_name(name)
     async with store_errors():
-        removed = await svc.redis.hdel(keys.vectors(tenant.id), name)
+        removed = await svc.scripts.drop_vector(keys=keys.vector_keys(tenant.id), args=[name])
     if not removed:
         raise _not_found(name)
-    await svc.pool.broadcast("DELETE", f"/v1/steering/vectors/{scope(tenant.id, name)}")
+    await svc.engines.delete_vector_everywhere(tenant.id, name)
     return Response(status_code=204)

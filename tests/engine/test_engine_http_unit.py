@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import SecretStr
 
 from engine.http.plugin import SteeringEndpointPlugin
-from engine.http.rewrite import MAX_CACHE_SALT, SteeringRewriteMiddleware
+from engine.http.rewrite import MAX_CACHE_SALT, SteeringRewriteMiddleware, salted
 from engine.http.runtime import RuntimeRef, SteeringRuntime
 from engine.payload import decode_payload, steering_digest
 from shared.codecs import encode_gguf_control_vector, encode_packed
@@ -348,7 +348,8 @@ async def test_steered_request_is_rewritten_for_vllm(env) -> None:
     assert p.phase == "decode"
     assert set(p.sites) == {("post_block", 1), ("pre_attn", 2)}
     np.testing.assert_array_equal(p.sites[("post_block", 1)], np.full(HIDDEN, 1.25, np.float32))
-    assert body["cache_salt"] == f"client|sg:{p.digest}"
+    # phase decode: the salt also covers the prompt (tests/engine/test_prefix_salt.py)
+    assert body["cache_salt"] == salted("client", p.digest, "decode", body)
     assert p.digest == steering_digest("decode", p.sites)
 
 
@@ -523,7 +524,9 @@ async def test_latch_list_prefix_and_status(env) -> None:
         await client.get("/v1/steering/latches", params={"prefix": "t1~"}, headers=AUTH)
     ).json()
     assert [x["conversation_id"] for x in listed] == ["t1~a", "t1~b"]
-    assert all(set(x) == {"conversation_id", "bytes", "kind", "last_used"} for x in listed)
+    assert all(
+        set(x) == {"conversation_id", "bytes", "kind", "digest", "last_used"} for x in listed
+    )
     status = (await client.get("/v1/steering/status", headers=AUTH)).json()
     assert status["latched_conversations"] == 3 and status["latched_bytes"] == 3 * 4 * HIDDEN
     assert status["latches_stored"] == 3

@@ -1,6 +1,7 @@
-"""Gateway test fixtures: a fake engine and gateways (each under uvicorn in a thread)
-sharing the session's real redis-server, plus tenants and keys made directly in the
-data layer."""
+"""Gateway test fixtures: a stub engine (the real endpoint plugin in front of a stub of
+vLLM's routes, tests/gateway/stub_engine.py) and gateways, each under uvicorn in a
+thread, sharing the session's real redis-server, plus tenants and keys made directly
+in the data layer."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ import redis.asyncio as aioredis
 from gateway.app import create_app
 from gateway.tenants import TenantStore
 from shared.settings import GatewaySettings
-from tests.gateway.fake_engine import EngineState, make_engine
 from tests.gateway.servers import ServerThread
+from tests.gateway.stub_engine import StubEngine
 
 ENGINE_TOKEN = "fake-engine-token"
 PEPPER = "gateway-test-pepper"
@@ -26,7 +27,10 @@ ADMIN_KEY = "admin-test-key-0123456789"
 
 @dataclass
 class FakeEngine:
-    state: EngineState
+    """A running stub engine: ``state`` is the StubEngine (its latches, vectors, the
+    requests it received), ``server`` the uvicorn thread serving it."""
+
+    state: StubEngine
     server: ServerThread
 
     @property
@@ -34,12 +38,16 @@ class FakeEngine:
         return self.server.url
 
 
+def start_stub_engine(**caps: Any) -> FakeEngine:
+    state = StubEngine(ENGINE_TOKEN, **caps)
+    return FakeEngine(state, ServerThread(state.app).start())
+
+
 @pytest.fixture()
 def fake_engine() -> Iterator[FakeEngine]:
-    state = EngineState(token=ENGINE_TOKEN)
-    server = ServerThread(make_engine(state)).start()
-    yield FakeEngine(state, server)
-    server.stop()
+    engine = start_stub_engine()
+    yield engine
+    engine.server.stop()
 
 
 #: The production default Redis timeout, for the tests that prove "503 within 1 s".

@@ -1,5 +1,5 @@
 """Fixtures for the operator-surface tests (admin API, usage, metrics, CLI): a gateway
-under uvicorn in front of the fake engine (with its status route), real Redis."""
+under uvicorn in front of the stub engine (the real endpoint plugin), real Redis."""
 
 from __future__ import annotations
 
@@ -11,10 +11,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.fakes.engine_status import status_engine
-from tests.gateway.conftest import ADMIN_KEY, ENGINE_TOKEN
-from tests.gateway.fake_engine import EngineState
+from tests.gateway.conftest import ADMIN_KEY, start_stub_engine
 from tests.gateway.servers import ServerThread
+from tests.gateway.stub_engine import StubEngine
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
@@ -37,7 +36,7 @@ class Ops:
     """A running gateway + fake engine, with small admin/tenant HTTP helpers."""
 
     gw: ServerThread
-    engine: EngineState
+    engine: StubEngine
     engine_url: str
 
     @property
@@ -81,9 +80,10 @@ class Ops:
 
 @pytest.fixture()
 def ops(start_gateway: Callable[..., ServerThread]) -> Iterator[Ops]:
-    with status_engine(ENGINE_TOKEN) as (state, server):
-        gw = start_gateway(engine_urls=server.url)
-        ops = Ops(gw, state, server.url)
+    engine = start_stub_engine()
+    try:
+        gw = start_gateway(engine_urls=engine.url)
+        ops = Ops(gw, engine.state, engine.url)
         # The gateway learns the engine's caps from its first poll.
         ops.wait_for(
             lambda: (
@@ -94,3 +94,5 @@ def ops(start_gateway: Callable[..., ServerThread]) -> Iterator[Ops]:
             )
         )
         yield ops
+    finally:
+        engine.server.stop()

@@ -215,7 +215,7 @@ def test_delete_tenant_clears_keys_latches_vectors_in_redis_and_on_the_engine(
         )
         assert r.status_code == 201, r.text
     # Something the engine holds that Redis never heard of (drift): swept too.
-    ops.engine.latches["acme~ghost"] = {"bytes": 32, "kind": "value", "last_used": 0}
+    ops.engine.plant_latch("acme~ghost")
     ops.wait_for(lambda: ops.get(key, "/v1/usage").json()["quotas"]["latch_count"]["used"] == 1)
 
     assert ops.admin("DELETE", "/admin/tenants/acme").status_code == 204

@@ -1,9 +1,7 @@
-"""The official ``openai`` client against the gateway (+ fake engine), and a
-schemathesis run over the gateway's OpenAPI: no input may produce a 5xx."""
+"""The official ``openai`` client against the gateway (+ stub engine). The schemathesis
+run over the gateway's OpenAPI is in test_schemathesis.py."""
 
 from __future__ import annotations
-
-from typing import Any
 
 import openai
 import pytest
@@ -21,7 +19,8 @@ def test_openai_client_non_stream_and_stream(gateway: ServerThread, redis_url: s
         messages=[{"role": "user", "content": "hi"}],
         extra_body={"conversation_id": "conv-1", "steering": steering},
     )
-    assert r.choices[0].message.content == "echo conv-1"  # the engine saw acme~conv-1
+    steered = r.choices[0].message.content  # "echo <digest of the steering it got>"
+    assert steered.startswith("echo ") and steered != "echo"
     assert r.model_extra["steering"] == {"applied": True, "latch": "latched"}
     chunks = list(
         client.chat.completions.create(
@@ -31,14 +30,16 @@ def test_openai_client_non_stream_and_stream(gateway: ServerThread, redis_url: s
             extra_body={"conversation_id": "conv-1"},
         )
     )
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "echoconv-1"
+    # The latch steered the next turn exactly as the turn that stored it.
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == steered.replace(" ", "")
     assert all(c.usage is None for c in chunks), "usage chunk leaked although not asked for"
     chunks = list(
         client.completions.create(
             model="fake", prompt="hi", stream=True, stream_options={"include_usage": True}
         )
     )
-    assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens == 8
+    assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens == 6  # 5 + "echo"
     c = client.completions.create(model="fake", prompt="hi")
     assert c.choices[0].text == "echo"
     with pytest.raises(openai.AuthenticationError):
@@ -48,31 +49,3 @@ def test_openai_client_non_stream_and_stream(gateway: ServerThread, redis_url: s
             model="fake", messages=[], extra_body={"conversation_id": "a b"}
         )
     assert e.value.code == "invalid_conversation_id"
-
-
-def test_schemathesis_finds_no_5xx(gateway: ServerThread, redis_url: str) -> None:
-    import schemathesis
-    from hypothesis import HealthCheck, given, settings
-
-    key = make_tenant(redis_url, "acme")
-    schema = schemathesis.openapi.from_url(gateway.url + "/openapi.json")
-    failures: list[Any] = []
-    ops = [r.ok() for r in schema.get_all_operations()]
-    ops = [o for o in ops if o.path.startswith("/v1/") or o.path in ("/healthz", "/readyz")]
-
-    assert len(ops) >= 9, [o.path for o in ops]
-    for op in ops:
-
-        @settings(
-            max_examples=15, deadline=None, suppress_health_check=list(HealthCheck), database=None
-        )
-        @given(case=op.as_strategy())  # type: ignore[misc]
-        def check(case: Any) -> None:
-            resp = case.call(headers={"Authorization": f"Bearer {key}"}, timeout=10)
-            if resp.status_code >= 500 and resp.status_code not in (502, 503, 504):
-                failures.append(
-                    (case.operation.method, case.operation.path, resp.status_code, resp.text[:200])
-                )
-
-        check()
-    assert not failures, failures

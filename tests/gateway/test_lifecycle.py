@@ -58,42 +58,6 @@ def test_client_disconnect_mid_stream_releases_the_lease(
     assert post(gateway, key, chat_body()).status_code == 200
 
 
-def test_engine_restart_reconciles_latch_accounting(
-    gateway: ServerThread, fake_engine: FakeEngine, redis_url: str
-) -> None:
-    key = make_tenant(redis_url, "acme")
-    for c in ("c1", "c2"):
-        assert (
-            post(gateway, key, chat_body(conversation_id=c, steering=inline(True))).status_code
-            == 200
-        )
-    client = redis.Redis.from_url(redis_url, decode_responses=True)
-    time.sleep(0.1)
-    assert client.zcard("sg:{t:acme}:latches") == 2
-    # the engine "restarts": latches gone, new epoch; an orphan the gateway never admitted
-    fake_engine.state.latches = {"acme~ghost": {"bytes": 32, "kind": "value", "last_used": 0}}
-    fake_engine.state.epoch = "new"
-    svc = gateway.app.state.services
-    svc.reconciler.grace_ms = 0
-    gateway.call(svc.pool.refresh())
-    assert client.zcard("sg:{t:acme}:latches") == 0
-    assert int(client.get("sg:{t:acme}:latch:bytes")) == 0
-    assert "acme~ghost" not in fake_engine.state.latches
-
-
-def test_plain_turn_not_bridged_stops_counting_the_latch(
-    gateway: ServerThread, fake_engine: FakeEngine, redis_url: str
-) -> None:
-    key = make_tenant(redis_url, "acme")
-    assert (
-        post(gateway, key, chat_body(conversation_id="c", steering=inline(True))).status_code == 200
-    )
-    fake_engine.state.latches.clear()  # the engine evicted it on its own
-    assert post(gateway, key, chat_body(conversation_id="c")).headers["x-steering-latch"] == "none"
-    time.sleep(0.1)
-    assert redis.Redis.from_url(redis_url).zcard("sg:{t:acme}:latches") == 0
-
-
 def test_logs_hold_no_keys_and_no_scoped_ids(
     gateway: ServerThread, redis_url: str, captured_logs: Any
 ) -> None:

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import create_app
 from tests.gateway.conftest import gateway_settings
-from tests.gateway.ops_env import Ops, bearer, ops  # noqa: F401 - fixture
+from tests.gateway.ops_env import ADMIN, Ops, bearer, ops  # noqa: F401 - fixture
 from tests.harness import ROOT, RedisProcess, free_port
 
 INLINE_LATCH = {"vectors": [{"hook": "post_block", "layers": {"1": [0.5] * 8}}], "latch": True}
@@ -40,7 +40,7 @@ def documented() -> dict[str, tuple[str, set[str]]]:
 
 def scrape(url: str) -> dict[str, tuple[str, list]]:
     """family name as written in '# TYPE' -> (type, samples)."""
-    r = httpx.get(url + "/metrics", timeout=10)
+    r = httpx.get(url + "/metrics", headers=ADMIN, timeout=10)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", r.text, flags=re.M))
     out: dict[str, tuple[str, list]] = {}
@@ -80,7 +80,7 @@ def test_every_steergate_metric_in_the_output_is_documented(ops: Ops) -> None:
 
 def test_per_tenant_counters_move_and_labels_are_tenant_ids_never_keys(ops: Ops) -> None:
     key = traffic(ops)
-    text = httpx.get(ops.url + "/metrics").text
+    text = httpx.get(ops.url + "/metrics", headers=ADMIN).text
     assert key not in text and key[:12] not in text and key[6:18] not in text
     fams = scrape(ops.url)
     requests = {
@@ -135,23 +135,23 @@ def test_route_label_is_the_template_not_the_path(ops: Ops) -> None:
         ).status_code
         == 404
     )
-    text = httpx.get(ops.url + "/metrics").text
+    text = httpx.get(ops.url + "/metrics", headers=ADMIN).text
     assert "secret-conv-1" not in text
     assert 'route="/v1/steering/latches/{conversation_id}"' in text
 
 
 def test_deleted_tenant_disappears_from_the_next_scrape(ops: Ops) -> None:
     traffic(ops)
-    assert 'tenant="acme"' in httpx.get(ops.url + "/metrics").text
+    assert 'tenant="acme"' in httpx.get(ops.url + "/metrics", headers=ADMIN).text
     assert ops.admin("DELETE", "/admin/tenants/acme").status_code == 204
-    assert 'tenant="acme"' not in httpx.get(ops.url + "/metrics").text
+    assert 'tenant="acme"' not in httpx.get(ops.url + "/metrics", headers=ADMIN).text
 
 
 def test_engine_gauges_follow_the_engine_and_a_dead_engine_is_0(ops: Ops, start_gateway) -> None:  # type: ignore[no-untyped-def]
     ops.tenant("acme")
-    ops.engine.latches["acme~x"] = {"bytes": 96, "kind": "value", "last_used": time.time()}
+    ops.engine.plant_latch("acme~x")  # one float32 site of the stub's hidden size 8
     fams = scrape(ops.url)
-    assert [s.value for s in fams["steergate_engine_latched_bytes"][1]] == [96]
+    assert [s.value for s in fams["steergate_engine_latched_bytes"][1]] == [32]
     assert [s.value for s in fams["steergate_engine_up"][1]] == [1]
     dead = f"http://127.0.0.1:{free_port()}"
     gw = start_gateway(engine_urls=f"{ops.engine_url},{dead}")
@@ -221,6 +221,7 @@ def test_grafana_provisioning_and_prometheus_config_agree() -> None:
     prom = yaml.safe_load((MONITORING / "prometheus.yml").read_text())
     job = prom["scrape_configs"][0]
     assert job["metrics_path"] == "/metrics"
+    assert job["authorization"]["type"] == "Bearer"  # /metrics needs the scrape token
     assert job["static_configs"][0]["targets"] == ["gateway:8080"]
 
 

@@ -326,8 +326,9 @@ def test_gguf_upload_is_decoded_and_forwarded_as_packed_float32(
         and r.json()["hook"] == "post_block"
         and r.json()["bytes"] == 64
     )
-    sent = fake_engine.state.vectors["acme~g"]
-    assert sent["packed"]["dtype"] == "float32" and sent["packed"]["layer_indices"] == [1, 2]
+    installed = fake_engine.state.runtime.registry.get("acme~g")
+    assert installed is not None and sorted(installed.layers) == [1, 2]
+    assert installed.layers[1].dtype == np.float32 and float(installed.layers[1][0]) == 1.0
     auth = {"Authorization": f"Bearer {key}"}
     listed = httpx.get(gateway.url + "/v1/steering/vectors", headers=auth).json()["data"]
     assert [v["name"] for v in listed] == ["g"] and "packed" not in listed[0]

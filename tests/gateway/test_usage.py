@@ -122,7 +122,7 @@ def test_usage_admin_usage_and_metrics_work_on_the_embedded_store(start_gateway,
     assert embedded.admin("GET", "/admin/usage").json()["tenants"][0]["tenant_id"] == "solo"
     assert (
         'steergate_quota_used{quota="requests_per_minute",tenant="solo"} 1.0'
-        in httpx.get(gw.url + "/metrics").text
+        in httpx.get(gw.url + "/metrics", headers=ADMIN).text
     )
 
 

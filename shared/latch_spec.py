@@ -1,0 +1,124 @@
+"""A latch as data: what Redis keeps for a latched conversation and what the gateway
+sends an engine to restore it.
+
+A latch is its phase, its by-value sites (inline terms scaled and summed per
+(hook, layer), float32) and its by-reference terms (engine-side vector name,
+content digest, scale). Both sides build it with :func:`sum_inline` in one fixed
+order, so a restored latch steers bit-identically to the turn that stored it, and
+both compute the same :func:`latch_digest`, which is how an engine and Redis agree
+on *which* latch a conversation holds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from shared.codecs import b64_to_f32, f32_to_b64
+from shared.steering import HOOKS, PHASES, InlineTerm
+
+Site = tuple[str, int]  # (hook, layer)
+Ref = tuple[str, str, float]  # (engine-side vector name, digest, scale)
+
+VERSION = 1
+
+
+class SpecError(ValueError):
+    """A spec that is not one this module wrote."""
+
+
+@dataclass(frozen=True)
+class LatchSpec:
+    phase: str
+    sites: Mapping[Site, np.ndarray] = field(default_factory=dict)
+    refs: tuple[Ref, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return int(sum(int(v.nbytes) for v in self.sites.values()))
+
+    @property
+    def kind(self) -> str:
+        return "value" if self.sites else "ref"
+
+    @property
+    def digest(self) -> str:
+        return latch_digest(self.phase, self.sites, self.refs)
+
+    def encode(self) -> str:
+        return json.dumps(
+            {
+                "v": VERSION,
+                "phase": self.phase,
+                "sites": [
+                    [h, layer, f32_to_b64(self.sites[(h, layer)])]
+                    for h, layer in sorted(self.sites)
+                ],
+                "refs": [list(r) for r in self.refs],
+            },
+            separators=(",", ":"),
+        )
+
+
+def latch_digest(phase: str, sites: Mapping[Site, np.ndarray], refs: Iterable[Ref]) -> str:
+    """Identity of a latch: equal digests mean equal steering on every later turn."""
+    h = hashlib.sha256(f"latch:{phase}".encode())
+    for hook, layer in sorted(sites):
+        h.update(f"|{hook}:{layer}|".encode())
+        h.update(np.asarray(sites[(hook, layer)], dtype="<f4").tobytes())
+    for name, digest, scale in refs:
+        h.update(f"|ref:{name}:{digest}:".encode())
+        h.update(struct.pack("<d", float(scale)))
+    return h.hexdigest()
+
+
+def decode_spec(text: str | bytes | Any) -> LatchSpec:
+    """Parse a spec written by :meth:`LatchSpec.encode` (or its parsed JSON)."""
+    try:
+        doc = json.loads(text) if isinstance(text, (str, bytes)) else text
+        if not isinstance(doc, dict) or doc.get("v") != VERSION:
+            raise SpecError("unsupported latch spec")
+        phase = doc["phase"]
+        if phase not in PHASES:
+            raise SpecError("bad phase")
+        sites: dict[Site, np.ndarray] = {}
+        for hook, layer, data in doc["sites"]:
+            if hook not in HOOKS or not isinstance(layer, int) or isinstance(layer, bool):
+                raise SpecError("bad site")
+            vec = b64_to_f32(data)
+            if not np.isfinite(vec).all():
+                raise SpecError("non-finite site")
+            sites[(hook, layer)] = vec
+        refs = tuple((str(n), str(d), float(s)) for n, d, s in doc["refs"])
+    except SpecError:
+        raise
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SpecError("malformed latch spec") from exc
+    return LatchSpec(phase, sites, refs)
+
+
+def sum_inline(terms: Iterable[InlineTerm]) -> dict[Site, np.ndarray]:
+    """By-value part of a steering: one float32 vector per distinct (hook, layer),
+    terms scaled and summed in request order."""
+    sites: dict[Site, np.ndarray] = {}
+    for term in terms:
+        scale = np.float32(term.scale)
+        for layer, vec in term.layers.items():
+            accumulate(sites, (term.hook, int(layer)), vec, scale)
+    return sites
+
+
+def accumulate(
+    sites: dict[Site, np.ndarray], site: Site, vec: np.ndarray, scale: np.float32
+) -> None:
+    scaled = np.asarray(vec, dtype=np.float32) * scale
+    if site in sites:
+        sites[site] = sites[site] + scaled
+    else:
+        sites[site] = scaled.astype(np.float32, copy=True)

@@ -1,0 +1,142 @@
+"""The engine plugin's side of issue 9, items 1 and 8, in front of a fake vLLM app (no
+engine): ids with a trailing newline, bad numbers and 1,000-deep JSON are 400s in the
+contract's shape, and none of it reaches vLLM or changes a latch."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from shared.codecs import encode_gguf_control_vector
+from shared.jsondepth import json_too_deep
+from tests.engine.test_engine_http_unit import AUTH, HIDDEN, LAYERS, chat, make_app
+
+
+@asynccontextmanager
+async def engine() -> AsyncIterator[tuple[httpx.AsyncClient, list[dict[str, Any]], Any]]:
+    app, seen, plugin = await make_app()
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://e") as client:
+        yield client, seen, plugin
+
+
+def error(r: httpx.Response) -> dict[str, Any]:
+    assert r.status_code == 400, r.text
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return dict(body["error"])
+
+
+def deep(depth: int = 1000) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/responses"),  # one of vLLM's own JSON routes
+        ("PUT", "/v1/steering/vectors/a~calm"),
+    ],
+)
+async def test_json_nested_1000_deep_is_a_400_invalid_json(method: str, path: str) -> None:
+    """Python's json raised RecursionError (a 500) on this before."""
+    async with engine() as (client, seen, plugin):
+        for raw in (deep(), b'{"model":"m","steering":' + deep() + b"}"):
+            r = await client.request(
+                method, path, content=raw, headers={**AUTH, "content-type": "application/json"}
+            )
+            assert (error(r)["code"], error(r)["param"]) == ("invalid_json", "body")
+        assert seen == [] and plugin.runtime.get().controller.list() == []
+
+
+async def test_the_depth_bound_runs_after_the_token_check() -> None:
+    async with engine() as (client, _, _):
+        r = await client.post("/v1/chat/completions", content=deep())
+        assert r.status_code == 401
+
+
+async def test_a_gguf_upload_is_not_scanned_as_json() -> None:
+    """Binary bodies are full of bracket bytes; they must pass the bound untouched."""
+    # Every float is the bytes "[[[[" (about 6.2e16, finite): 128 "[" in a row.
+    vec = np.frombuffer(b"[" * 4 * HIDDEN, dtype=np.float32)
+    raw = encode_gguf_control_vector({layer: vec for layer in range(LAYERS)})
+    assert json_too_deep(raw)
+    async with engine() as (client, _, _):
+        r = await client.put(
+            "/v1/steering/vectors/a~g",
+            content=raw,
+            headers={**AUTH, "content-type": "application/octet-stream"},
+        )
+        assert r.status_code == 201, r.text
+
+
+def steer(layers: dict[str, Any] | None = None, **term: Any) -> dict[str, Any]:
+    layers = layers if layers is not None else {"1": [0.5] * HIDDEN}
+    return {"vectors": [{"hook": "post_block", "layers": layers, **term}], "latch": True}
+
+
+@pytest.mark.parametrize(
+    ("steering", "param"),
+    [
+        (steer(scale=1e300), "steering.vectors[0].scale"),
+        (steer(scale=10**400), "steering.vectors[0].scale"),
+        (steer({"1": [3e38] * HIDDEN}, scale=2), "steering.vectors[0].scale"),
+        (steer({"²": [0.5] * HIDDEN}), "steering.vectors[0].layers.²"),
+        (steer({"١": [0.5] * HIDDEN}), "steering.vectors[0].layers.١"),
+        (steer({"1": [10**400] * HIDDEN}), "steering.vectors[0].layers.1"),
+    ],
+)
+async def test_bad_numbers_are_a_400_and_store_no_latch(
+    steering: dict[str, Any], param: str
+) -> None:
+    async with engine() as (client, seen, plugin):
+        body = chat(conversation_id="a~c1", steering=steering)
+        r = await client.post("/v1/chat/completions", json=body, headers=AUTH)
+        assert error(r)["param"] == param
+        assert r.headers["x-steering-latch"] == "none"
+        assert seen == [] and plugin.runtime.get().controller.list() == []
+
+
+async def test_trailing_newline_ids_are_refused_by_the_engine_too() -> None:
+    """The engine's own checks, for a caller that is not the gateway."""
+    async with engine() as (client, seen, _):
+        body = chat(conversation_id="a~chat-1\n", steering=steer())
+        r = await client.post("/v1/chat/completions", json=body, headers=AUTH)
+        assert error(r)["code"] == "invalid_conversation_id"
+        for path in ("/v1/steering/vectors/a~calm%0A", "/v1/steering/vectors/a~calm%20"):
+            put = await client.put(
+                path, json={"hook": "post_block", "layers": {"1": [0.5] * HIDDEN}}, headers=AUTH
+            )
+            assert error(put)["code"] == "invalid_vector_name"
+        r = await client.delete("/v1/steering/latches/a~chat-1%0A", headers=AUTH)
+        assert error(r)["code"] == "invalid_conversation_id"
+        assert seen == []
+
+
+async def test_a_sum_or_named_term_that_overflows_float32_is_a_400_and_stores_no_latch() -> None:
+    """Each term is finite, yet their sum (or a stored vector times its scale) is Inf."""
+    big = [3e38] * HIDDEN
+    two_terms = {
+        "vectors": [{"hook": "post_block", "layers": {"1": big}} for _ in range(2)],
+        "latch": True,
+    }
+    named = {"vectors": [{"name": "a~big", "scale": 2}], "latch": True}
+    async with engine() as (client, seen, plugin):
+        put = await client.put(
+            "/v1/steering/vectors/a~big",
+            json={"hook": "post_block", "layers": {"1": big}},
+            headers=AUTH,
+        )
+        assert put.status_code == 201, put.text
+        for steering in (two_terms, named):
+            body = chat(conversation_id="a~c1", steering=steering)
+            r = await client.post("/v1/chat/completions", json=body, headers=AUTH)
+            assert error(r)["param"] == "steering.vectors" and "overflows" in error(r)["message"]
+        assert seen == [] and plugin.runtime.get().controller.list() == []

@@ -1,0 +1,156 @@
+"""Issue 9, items 1 and 8, as the attacks: a tenant sends ids with a trailing newline,
+bad numbers and 1,000-deep JSON through the gateway. Each is a 400 in the contract's
+error shape naming the field, and nothing of it reaches the engine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.gateway.conftest import ADMIN_KEY, FakeEngine, make_tenant
+from tests.gateway.servers import ServerThread
+
+CHAT = "/v1/chat/completions"
+HIDDEN = 8
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def chat(**extra: Any) -> dict[str, Any]:
+    return {
+        "model": "fake",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        **extra,
+    }
+
+
+def inline(layers: dict[str, Any] | None = None, **term: Any) -> dict[str, Any]:
+    layers = layers if layers is not None else {"1": [0.5] * HIDDEN}
+    return {"vectors": [{"hook": "post_block", "layers": layers, **term}]}
+
+
+def error(r: httpx.Response, status: int = 400) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["type"] == "invalid_request_error"
+    return dict(body["error"])
+
+
+def nothing_reached(engine: FakeEngine) -> None:
+    assert engine.state.requests == [] and engine.state.latches == {}
+    assert engine.state.vectors == {}
+
+
+def test_trailing_newline_ids_are_refused_and_never_reach_the_engine(
+    gateway: ServerThread, redis_url: str, fake_engine: FakeEngine
+) -> None:
+    """The audit's isolation break: "chat-1\\n" and "calm\\n" used to pass the id checks
+    and were written into the engine's request line."""
+    h = auth(make_tenant(redis_url, "acme"))
+    for conv in ("chat-1\n", "chat-1\r\n", "chat-1\x00", " chat-1", "chat-1 ", "chat-١"):
+        r = httpx.post(
+            gateway.url + CHAT,
+            headers=h,
+            json=chat(conversation_id=conv, steering={**inline(), "latch": True}),
+        )
+        assert error(r)["code"] == "invalid_conversation_id", conv
+    steering = {"vectors": [{"name": "calm\n", "scale": 2}]}
+    r = httpx.post(gateway.url + CHAT, headers=h, json=chat(steering=steering))
+    err = error(r)
+    assert (err["code"], err["param"]) == ("invalid_vector_name", "steering.vectors[0].name")
+    body = {"hook": "post_block", "layers": {"1": [0.5] * HIDDEN}}
+    r = httpx.put(gateway.url + "/v1/steering/vectors/calm%0A", headers=h, json=body)
+    assert error(r)["code"] == "invalid_vector_name"
+    for path in ("/v1/steering/vectors/calm%0A", "/v1/steering/vectors/calm%09"):
+        assert error(httpx.get(gateway.url + path, headers=h))["code"] == "invalid_vector_name"
+    r = httpx.delete(gateway.url + "/v1/steering/latches/chat-1%0A", headers=h)
+    assert error(r)["code"] == "invalid_conversation_id"
+    nothing_reached(fake_engine)
+
+
+def test_admin_cannot_create_a_tenant_whose_id_ends_in_a_newline(
+    gateway: ServerThread, fake_engine: FakeEngine
+) -> None:
+    """ "acme\\n" would scope as "acme\\n~…", outside every check of "acme"'s prefix."""
+    h = auth(ADMIN_KEY)
+    for tenant_id in ("acme\n", "acme\r", "acme ", "\tacme", "acme\x00", "acme²", "ａcme"):
+        r = httpx.post(gateway.url + "/admin/tenants", headers=h, json={"id": tenant_id})
+        err = error(r)
+        assert (err["code"], err["param"]) == ("invalid_tenant_id", "id"), tenant_id
+    listed = httpx.get(gateway.url + "/admin/tenants", headers=h)
+    assert listed.status_code == 200 and "acme" not in listed.text
+
+
+@pytest.mark.parametrize(
+    ("steering", "param"),
+    [
+        (inline(scale=1e300), "steering.vectors[0].scale"),
+        (inline(scale=-1e300), "steering.vectors[0].scale"),
+        (inline({"1": [3e38] * HIDDEN}, scale=4), "steering.vectors[0].scale"),
+        (inline({"²": [0.5] * HIDDEN}), "steering.vectors[0].layers.²"),
+        (inline({"١": [0.5] * HIDDEN}), "steering.vectors[0].layers.١"),
+        (inline({"01": [0.5] * HIDDEN}), "steering.vectors[0].layers.01"),
+    ],
+)
+def test_bad_numbers_are_a_400_naming_the_field(
+    gateway: ServerThread,
+    redis_url: str,
+    fake_engine: FakeEngine,
+    steering: dict[str, Any],
+    param: str,
+) -> None:
+    """scale 1e300 was latched as Inf (empty output); "²" was a 500; "١" meant layer 1."""
+    h = auth(make_tenant(redis_url, "acme"))
+    r = httpx.post(
+        gateway.url + CHAT,
+        headers=h,
+        json=chat(conversation_id="c1", steering={**steering, "latch": True}),
+    )
+    err = error(r)
+    assert err["param"] == param and err["code"] == "invalid_request"
+    nothing_reached(fake_engine)
+
+
+def deep(depth: int = 1000) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+def test_json_nested_1000_deep_is_a_400_on_every_json_route(
+    gateway: ServerThread, redis_url: str, fake_engine: FakeEngine
+) -> None:
+    """It parsed, passed admission, then 500ed in the re-serializer."""
+    h = {**auth(make_tenant(redis_url, "acme")), "content-type": "application/json"}
+    nested_field = b'{"model":"fake","messages":[],"extra":' + deep() + b"}"
+    for path, method, hdrs, raw in [
+        (CHAT, "POST", h, deep()),
+        (CHAT, "POST", h, nested_field),
+        ("/v1/completions", "POST", h, nested_field),
+        ("/v1/steering/vectors/calm", "PUT", h, b'{"hook":"post_block","layers":' + deep() + b"}"),
+        (
+            "/admin/tenants",
+            "POST",
+            {**auth(ADMIN_KEY), "content-type": "application/json"},
+            b'{"id":"bob","limits":' + deep() + b"}",
+        ),
+    ]:
+        r = httpx.request(method, gateway.url + path, headers=hdrs, content=raw)
+        err = error(r)
+        assert (err["code"], err["param"]) == ("invalid_json", "body"), path
+    nothing_reached(fake_engine)
+
+
+def test_json_at_the_depth_bound_still_works(
+    gateway: ServerThread, redis_url: str, fake_engine: FakeEngine
+) -> None:
+    h = auth(make_tenant(redis_url, "acme"))
+    value: Any = "x"
+    for _ in range(60):
+        value = {"k": value}
+    r = httpx.post(gateway.url + CHAT, headers=h, json=chat(metadata_like=value))
+    assert r.status_code == 200, r.text
