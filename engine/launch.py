@@ -57,8 +57,11 @@ def build_env(base: Mapping[str, str]) -> dict[str, str]:
     # vLLM loads endpoint plugins only when they are named here.
     env["VLLM_PLUGINS"] = "steergate"
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)
-    # Steering hooks the V1 model runner; on GPUs with Triton vLLM 0.32 would pick
-    # the V2 runner, which the plugin refuses (see docs/steering-op.md).
+    # The V1 model runner is the default everywhere: it is the one steering has run on
+    # end to end. On GPUs with Triton vLLM 0.32 would pick V2, whose adapter is only
+    # unit-tested so far, so V2 is opt-in: an operator's VLLM_USE_V2_MODEL_RUNNER=1 is
+    # kept (HiSparse needs it; watermarking selects V2 by itself) and the V2 adapter steers.
+    # See docs/steering-op.md, "V1 and V2 model runners".
     env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     return env
 

@@ -50,7 +50,7 @@ class Expect:
 def cache_miss(code: str, what: str) -> APIError:
     """409 ``vector_missing`` / ``latch_missing``: this engine's cache lacks state the
     gateway holds. Raised before anything changes; the gateway installs and retries."""
-    return APIError(409, code, f"this engine does not hold the {what}; install it and retry")
+    return APIError(code, f"this engine does not hold the {what}; install it and retry")
 
 
 def resolve_turn(

@@ -3,8 +3,18 @@ milliseconds as one pipeline of settle_request.lua calls.
 
 A settlement releases the concurrency lease, corrects the token reservation to the
 engine's reported ``usage``, counts the status class, and fixes latch accounting from
-the engine's ``x-steering-latch`` answer. If Redis is down the batch is retried a few
-times and then dropped (the lease expires by itself; only usage counts are lost).
+the engine's ``x-steering-latch`` answer. The loop does Redis work only (no engine I/O),
+so one tenant's settlements never wait on another's engine calls.
+
+Leases cannot strand (docs/operations.md, "Recovery bounds"):
+
+- a lease lives ``lease_ttl_s`` (30 s) and :class:`Leases` renews it while its request
+  runs, so a lease that nobody renews is gone within one TTL;
+- an admission whose reply never came (timeout) is *cancelled*: its lease id is released
+  as soon as Redis answers again, in case the admission landed after all; one that runs
+  after its deadline is refused by admit_request.lua itself;
+- a settlement is retried until Redis takes it (settle_request.lua is idempotent), and
+  given up only once its lease has provably expired (then only usage counts are lost).
 """
 
 from __future__ import annotations
@@ -14,11 +24,10 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from gateway import keys
 from gateway.limits import Admission
@@ -29,7 +38,13 @@ from shared.engine_api import DROP_STATES, KEEP_STATES
 log = logging.getLogger("steergate.gateway.accounting")
 
 
-DeleteLatch = Callable[[str, str], Awaitable[None]]  # (tenant_id, client conversation id)
+#: Default lease TTL (settings: ``lease_ttl_s``).
+LEASE_TTL_S = 30.0
+#: A settlement is given up once its lease expired this long ago (clock skew between
+#: gateways, which sweep each other's leases by their own clocks).
+EXPIRY_GRACE_MS = 2000
+#: How often the Redis clock is read for admission deadlines.
+CLOCK_EVERY_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -39,6 +54,8 @@ class Outcome:
     tokens_used: int
     latch_state: str | None  # the engine's x-steering-latch, if any
     steered: bool = False  # the request carried its own ``steering``
+    #: An admission whose answer never came (see ``Settler.cancel``).
+    cancelled: bool = False
 
 
 def status_class(status: int) -> str:
@@ -73,40 +90,192 @@ def _resolve(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass
+class _Live:
+    tenant_id: str
+    expiry_ms: int
+    #: The conversation whose latch the request is storing ("": none).
+    storing: str
+
+
+class Leases:
+    """The leases this process holds for requests still running: renewed every
+    ``ttl_s / 6`` once a third of their TTL is used (short requests cost nothing), with
+    one renew_leases.lua call per tenant. Also keeps the offset of Redis's clock, for
+    admission deadlines (admit_request.lua compares them with its own TIME)."""
+
+    def __init__(self, redis: Redis, scripts: Scripts, *, ttl_s: float = LEASE_TTL_S) -> None:
+        self.redis = redis
+        self.scripts = scripts
+        self.ttl_ms = int(ttl_s * 1000)
+        #: Redis's clock minus ours (ms); 0 until first read.
+        self.offset_ms = 0
+        self._clock_read_at = -CLOCK_EVERY_S
+        self._live: dict[str, _Live] = {}
+        self.renewals = 0  # figures for tests
+        self.lost = 0
+
+    def expiry(self, at_ms: int) -> int:
+        return at_ms + self.ttl_ms
+
+    def deadline(self, at_ms: int, budget_s: float) -> int:
+        """``at_ms`` (our clock) + ``budget_s``, in Redis's clock."""
+        return at_ms + self.offset_ms + int(budget_s * 1000)
+
+    def hold(self, adm: Admission) -> None:
+        storing = adm.conversation_id if (adm.latch and adm.conversation_id) else ""
+        self._live[adm.lease_id] = _Live(adm.tenant.id, adm.lease_expiry_ms, storing or "")
+
+    def release(self, adm: Admission) -> int:
+        """Stop renewing; the lease's last known expiry (our clock)."""
+        live = self._live.pop(adm.lease_id, None)
+        return live.expiry_ms if live is not None else adm.lease_expiry_ms
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    async def read_clock(self) -> None:
+        t0 = time.time()
+        sec, usec = await self.redis.time()
+        t1 = time.time()
+        self.offset_ms = int(sec * 1000 + usec // 1000 - (t0 + t1) * 500)
+        self._clock_read_at = time.monotonic()
+
+    async def renew(self) -> None:
+        """One heartbeat: renew every lease past a third of its TTL."""
+        at = now_ms()
+        due: dict[str, list[str]] = collections.defaultdict(list)
+        for lease_id, live in self._live.items():
+            if live.expiry_ms - at < self.ttl_ms * 2 // 3:
+                due[live.tenant_id].append(lease_id)
+        for tenant_id, ids in due.items():
+            ids = [i for i in ids if i in self._live]  # some may have settled meanwhile
+            storing = [self._live[i].storing for i in ids if self._live[i].storing]
+            if not ids:
+                continue
+            expiry = self.expiry(at)
+            out = await evalsha(
+                self.scripts.renew_leases,
+                [keys.leases(tenant_id), keys.latches(tenant_id), keys.latch_info(tenant_id)],
+                [at, expiry, len(ids), *ids, *storing],
+            )
+            for lease_id, renewed in zip(ids, out, strict=True):
+                live = self._live.get(lease_id)
+                if live is None:  # settled meanwhile
+                    continue
+                if int(renewed):
+                    live.expiry_ms = expiry
+                    self.renewals += 1
+                else:  # expired while Redis could not be reached: nothing left to renew
+                    self._live.pop(lease_id)
+                    self.lost += 1
+                    log.warning("a running request lost its lease (expired before renewal)")
+
+    async def run(self, stop: asyncio.Event) -> None:
+        tick = self.ttl_ms / 6000
+        while not stop.is_set():
+            try:
+                if time.monotonic() - self._clock_read_at >= CLOCK_EVERY_S:
+                    await self.read_clock()
+                await self.renew()
+            except (RedisError, OSError) as exc:  # the next tick retries
+                log.warning("lease heartbeat failed (%s)", type(exc).__name__)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), tick)
+
+
+@dataclass
+class _Item:
+    outcome: Outcome
+    #: When the request's lease expires (our clock): past it, the settlement may be dropped.
+    expiry_ms: int
+
+
 class Settler:
-    """Batches outcomes into one Redis pipeline per flush."""
+    """Batches outcomes into one Redis pipeline per flush; retries what Redis did not take."""
 
     def __init__(
         self,
         redis: Redis,
         scripts: Scripts,
-        delete_latch: DeleteLatch,
         *,
+        lease_ttl_s: float = LEASE_TTL_S,
         flush_interval_s: float = 0.002,
         max_batch: int = 512,
-        retries: int = 3,
+        max_pending: int = 50_000,
+        max_backoff_s: float = 0.5,
     ) -> None:
         self.redis = redis
         self.scripts = scripts
-        self.delete_latch = delete_latch
+        self.leases = Leases(redis, scripts, ttl_s=lease_ttl_s)
         self.flush_interval_s = flush_interval_s
         self.max_batch = max_batch
-        self.retries = retries
+        self.max_pending = max_pending
+        self.max_backoff_s = max_backoff_s
         # A deque and one future to wake the flusher: asyncio.Queue + wait_for would
         # create a task per wait, on every request at low concurrency.
-        self._pending: collections.deque[Outcome] = collections.deque()
+        self._pending: collections.deque[_Item] = collections.deque()
         self._wake: asyncio.Future[None] | None = None
         self._idle = asyncio.Event()
         self._idle.set()
+        #: Figures (tests, logs): settlements retried, given up (lease expired), shed.
+        self.retried = 0
+        self.dropped = 0
+        self.shed = 0
 
     def submit(self, outcome: Outcome) -> None:
         if outcome.admission.unmetered:
             return
+        self._enqueue(_Item(outcome, self.leases.release(outcome.admission)))
+
+    def cancel(self, adm: Admission) -> None:
+        """An admission whose answer never came: release its lease (and refund its
+        tokens) in case it landed after all. A no-op in Redis if it never did."""
+        bare = Admission(
+            adm.tenant,
+            adm.lease_id,
+            adm.minute,
+            adm.reserved_tokens,
+            None,
+            False,
+            "",
+            [],
+            lease_expiry_ms=adm.lease_expiry_ms,
+        )
+        self._enqueue(_Item(Outcome(bare, 0, 0, None, cancelled=True), adm.lease_expiry_ms))
+
+    def _enqueue(self, item: _Item) -> None:
         self._idle.clear()
-        self._pending.append(outcome)
+        self._pending.append(item)
+        if len(self._pending) > self.max_pending:
+            self._shed()
         wake = self._wake
         if wake is not None and not wake.done():
             wake.set_result(None)
+
+    def _shed(self) -> None:
+        """Back-pressure (Redis far behind): give up the settlements of the tenant with
+        the most queued, oldest first, so the others' are kept. A shed settlement's lease
+        expires within its TTL; only its usage counts are lost."""
+        counts = collections.Counter(i.outcome.admission.tenant.id for i in self._pending)
+        top = counts.most_common(1)[0][0]
+        n = min(counts[top], len(self._pending) - self.max_pending * 9 // 10)
+        kept: collections.deque[_Item] = collections.deque()
+        for item in self._pending:
+            if n > 0 and item.outcome.admission.tenant.id == top:
+                n -= 1
+                self.shed += 1
+                continue
+            kept.append(item)
+        self._pending = kept
+        log.error("settlement queue over %d: shed tenant %s's oldest", self.max_pending, top)
+
+    def pending(self) -> int:
+        return len(self._pending)
 
     async def drain(self) -> None:
         """Wait until everything submitted so far is settled (tests, shutdown)."""
@@ -124,40 +293,61 @@ class Settler:
             self._wake = None
 
     async def run(self, stop: asyncio.Event) -> None:
+        heartbeat = asyncio.create_task(self.leases.run(stop))
+        try:
+            await self._run(stop)
+        finally:
+            heartbeat.cancel()
+
+    async def _run(self, stop: asyncio.Event) -> None:
+        backoff = 0.0
         while not (stop.is_set() and not self._pending):
             if not self._pending:
                 self._idle.set()
                 await self._wait_for_work(0.2)  # wakes on submit; sees ``stop`` within 0.2 s
                 continue
-            await asyncio.sleep(self.flush_interval_s)  # let a batch gather
+            # let a batch gather; after a failure, back off (Redis is down or hung)
+            await asyncio.sleep(max(self.flush_interval_s, backoff))
             batch = [self._pending.popleft()]
             while self._pending and len(batch) < self.max_batch:
                 batch.append(self._pending.popleft())
-            await self._flush(batch)
+            failed = await self._flush(batch)
+            if failed:
+                self._pending.extendleft(reversed(failed))
+                backoff = min(self.max_backoff_s, max(0.05, backoff * 2))
+            else:
+                backoff = 0.0
             if not self._pending:
                 self._idle.set()
 
-    async def _flush(self, batch: list[Outcome]) -> None:
-        for attempt in range(self.retries):
-            try:
-                results = await self._settle(batch)
-                break
-            except Exception as exc:  # Redis down: back off, then give up on this batch
-                log.warning("settlement failed (%s), attempt %d", type(exc).__name__, attempt + 1)
-                await asyncio.sleep(0.2 * (attempt + 1))
-        else:
-            log.error("dropped %d settlements; leases expire on their own", len(batch))
-            return
-        for o, orphaned in zip(batch, results, strict=True):
-            if orphaned and o.admission.conversation_id:
-                # Stored on the engine after the quota had already evicted it: undo there.
-                with contextlib.suppress(Exception):
-                    await self.delete_latch(o.admission.tenant.id, o.admission.conversation_id)
+    async def _flush(self, batch: list[_Item]) -> list[_Item]:
+        """Settle ``batch``; what must be tried again. One tenant's failing call fails
+        only its own settlement; a connection failure fails the batch (sent again as a
+        whole: settle_request.lua is idempotent)."""
+        try:
+            results = await self._settle([item.outcome for item in batch])
+        except Exception as exc:  # noqa: BLE001 - Redis down, hung, or restarting
+            log.warning("settlement of %d failed (%s); retrying", len(batch), type(exc).__name__)
+            results = [exc] * len(batch)
+        failed = [i for i, r in zip(batch, results, strict=True) if isinstance(r, Exception)]
+        if not failed:
+            return []
+        at = now_ms()
+        again = [i for i in failed if at <= i.expiry_ms + EXPIRY_GRACE_MS]
+        self.retried += len(again)
+        if len(again) < len(failed):
+            self.dropped += len(failed) - len(again)
+            log.error(
+                "gave up %d settlements whose leases have expired (usage counts lost)",
+                len(failed) - len(again),
+            )
+        return again
 
-    async def _settle(self, batch: list[Outcome]) -> list[int]:
-        """One pipeline of EVALSHA calls. (redis-py's Script-in-pipeline would add a
-        SCRIPT EXISTS round trip to every flush; NOSCRIPT after a Redis restart is
-        handled here instead, re-running only the calls that hit it.)"""
+    async def _settle(self, batch: list[Outcome]) -> list[Any]:
+        """One pipeline of EVALSHA calls; per call, its result or its error. (redis-py's
+        Script-in-pipeline would add a SCRIPT EXISTS round trip to every flush; NOSCRIPT
+        after a Redis restart is handled here instead, re-running only the calls that hit
+        it.)"""
         now_ms = int(time.time() * 1000)
         script = self.scripts.settle_request
         calls = []
@@ -175,10 +365,11 @@ class Settler:
                 latch_action(o),
                 a.prev_latch,
                 keys.USAGE_MINUTE_TTL_S,
+                a.lease_expiry_ms if o.cancelled else 0,
             ]
             calls.append((ks, args))
         if len(calls) == 1:  # the usual case at low load: a pipeline costs more than it saves
-            return [int(await evalsha(script, *calls[0]) or 0)]
+            return [await evalsha(script, *calls[0])]
         results: list[Any] = [None] * len(calls)
         todo = list(range(len(calls)))
         for _ in range(2):
@@ -191,12 +382,13 @@ class Settler:
             for i, r in zip(todo, out, strict=True):
                 if isinstance(r, NoScriptError):
                     missing.append(i)
-                elif isinstance(r, Exception):
-                    raise r
-                else:
                     results[i] = r
+                elif isinstance(r, Exception) and not isinstance(r, ResponseError):
+                    raise r  # the connection, not the call: the caller retries the batch
+                else:
+                    results[i] = r  # a result, or this one call's own error
             if not missing:
                 break
             await self.redis.script_load(script.script)
             todo = missing
-        return [int(r or 0) for r in results]
+        return results

@@ -134,7 +134,11 @@ def _limits_from(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _tenant_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="steergate tenant", description="Manage tenants.")
+    parser = argparse.ArgumentParser(
+        prog="steergate tenant",
+        description="Manage tenants. Each action has its own --help.",
+        epilog="STEERGATE_ADMIN_KEY must hold the admin key.",
+    )
     sub = parser.add_subparsers(dest="action", required=True)
     create = sub.add_parser("create", help="create a tenant")
     create.add_argument("id", help="tenant id: 1-32 characters of [a-z0-9-]")
@@ -142,28 +146,45 @@ def _tenant_parser() -> argparse.ArgumentParser:
     _limit_flags(create)
     lst = sub.add_parser("list", help="list tenants")
     show = sub.add_parser("show", help="show one tenant, its keys (masked) and usage")
-    show.add_argument("id")
+    show.add_argument("id", help="tenant id")
     update = sub.add_parser("update", help="change a tenant's name or limits")
-    update.add_argument("id")
+    update.add_argument("id", help="tenant id")
     update.add_argument("--name", help="display name")
     _limit_flags(update)
-    delete = sub.add_parser("delete", help="delete a tenant with its keys, latches and vectors")
-    delete.add_argument("id")
-    delete.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    delete = sub.add_parser(
+        "delete",
+        help="delete a tenant with its keys, latches and vectors (asks first; --yes to skip, "
+        "required when stdin is not a terminal)",
+    )
+    delete.add_argument("id", help="tenant id")
+    delete.add_argument(
+        "--yes",
+        action="store_true",
+        help="do not ask for confirmation (required when stdin is not a terminal)",
+    )
     for p in (create, lst, show, update, delete):
         _common(p)
     return parser
 
 
 def _key_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="steergate key", description="Manage tenant API keys.")
+    parser = argparse.ArgumentParser(
+        prog="steergate key",
+        description="Manage tenant API keys. Each action has its own --help.",
+        epilog="STEERGATE_ADMIN_KEY must hold the admin key.",
+    )
     sub = parser.add_subparsers(dest="action", required=True)
     create = sub.add_parser("create", help="create a key (printed once, never again)")
-    create.add_argument("tenant")
+    create.add_argument("tenant", help="tenant id")
+    create.add_argument(
+        "--key-only",
+        action="store_true",
+        help="print only the key, for scripts: export KEY=$(steergate key create ID --key-only)",
+    )
     lst = sub.add_parser("list", help="list a tenant's keys (masked)")
-    lst.add_argument("tenant")
+    lst.add_argument("tenant", help="tenant id")
     revoke = sub.add_parser("revoke", help="revoke a key by its key id")
-    revoke.add_argument("key_id")
+    revoke.add_argument("key_id", help="the key id (key_...), from `steergate key list`")
     for p in (create, lst, revoke):
         _common(p)
     return parser
@@ -202,7 +223,9 @@ def _run(
         args = parser.parse_args(list(argv))
     except SystemExit as exc:  # argparse already printed why
         return int(exc.code or 0)
-    out = Console(highlight=False, soft_wrap=False)
+    # Not a terminal (a pipe, a file, CI): no width to fit, so tables are never cut or
+    # wrapped at rich's default of 80 columns.
+    out = Console(highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 10_000)
     err = Console(stderr=True, highlight=False)
     admin_key = os.environ.get("STEERGATE_ADMIN_KEY", "")
     if not admin_key:
@@ -258,6 +281,9 @@ def _tenant_action(client: AdminClient, args: argparse.Namespace, out: Console) 
 def _key_action(client: AdminClient, args: argparse.Namespace, out: Console) -> None:
     if args.action == "create":
         created = client.call("POST", f"/admin/tenants/{args.tenant}/keys", json={})
+        if args.key_only:
+            print(created["key"])
+            return
         if args.json:
             out.print_json(data=created)
             return

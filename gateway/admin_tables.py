@@ -18,8 +18,9 @@ from gateway.units import format_bytes, format_percent
 
 QUOTAS: tuple[tuple[str, str, bool], ...] = (
     # usage key, column title, is a byte quantity
-    ("requests_per_minute", "req/min", False),
-    ("tokens_per_minute", "tok/min", False),
+    # rpm/tpm "used" is the rate limiter's bucket fill, not requests made (see usage.py)
+    ("requests_per_minute", "req/min bucket", False),
+    ("tokens_per_minute", "tok/min bucket", False),
     ("concurrency", "concurrent", False),
     ("latch_count", "latches", False),
     ("latch_bytes", "latch bytes", True),
@@ -158,6 +159,14 @@ def print_tenant_usage(out: Console, row: dict[str, Any]) -> None:
     if rejections:
         out.print(
             "429s by cause: " + "  ".join(f"{k} {fmt_count(v)}" for k, v in rejections.items()),
+            markup=False,
+        )
+    made = row.get("requests_made") or {}
+    if made:
+        out.print(
+            f"requests made: this minute {fmt_count(made.get('this_minute', 0))}  "
+            f"last {minutes} min {fmt_count(made.get('window', 0))}  "
+            f"total {fmt_count(made.get('total', 0))}",
             markup=False,
         )
     history = row.get("history") or []

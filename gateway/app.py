@@ -26,12 +26,15 @@ from gateway.engine_sync import EngineSync
 from gateway.engines import EngineClient
 from gateway.limits import Limiter
 from gateway.middleware import BodyLimitMiddleware
-from gateway.routes import health, inference, latches, vectors
+from gateway.routes import health, inference, latches, models, tokenize, vectors
 from gateway.scripts import Scripts
 from gateway.store import Redis, connect
 from gateway.tenants import TenantStore
 from gateway.upstream import EnginePool
-from shared.errors import APIError, error_body
+from shared import request_id
+from shared.errors import APIError, code_for_status, error_body, spec
+from shared.openai_errors import OpenAIErrorMiddleware
+from shared.request_id import RequestIdMiddleware
 from shared.settings import GatewaySettings
 
 log = logging.getLogger("steergate.gateway")
@@ -48,7 +51,10 @@ OPTIONAL_ROUTERS = (
 def build_services(
     settings: GatewaySettings, redis: Redis | None = None, pool: EnginePool | None = None
 ) -> Services:
-    redis = redis if redis is not None else connect(settings.redis_url, settings.redis_timeout_s)
+    if redis is None:
+        redis = connect(
+            settings.redis_url, settings.redis_timeout_s, settings.redis_health_check_interval_s
+        )
     scripts = Scripts.load(redis)
     pool = pool or EnginePool(
         settings.engine_url_list,
@@ -73,7 +79,11 @@ def build_services(
         settings.key_pepper.get_secret_value() if settings.key_pepper else "",
         engine_caps=pool.caps,
         on_deleted=on_tenant_deleted,
+        refuse_overcommit=settings.refuse_overcommit,
     )
+    # Settlement is Redis work only: a latch Redis no longer holds is never bridged by an
+    # engine (steergate_expect), and the engine sync deletes its copy.
+    settler = Settler(redis, scripts, lease_ttl_s=settings.lease_ttl_s)
     return Services(
         settings=settings,
         redis=redis,
@@ -83,10 +93,12 @@ def build_services(
         sync=sync,
         limiter=Limiter(
             scripts,
-            lease_ttl_s=settings.engine_read_timeout_s + 60,
+            lease_ttl_s=settings.lease_ttl_s,
             fail_open=settings.rate_limit_fail_open,
+            settler=settler,
+            redis_timeout_s=settings.redis_timeout_s,
         ),
-        settler=Settler(redis, scripts, engines.delete_latch_everywhere),
+        settler=settler,
     )
 
 
@@ -129,11 +141,16 @@ def create_app(settings: GatewaySettings | None = None, *, redis: Redis | None =
     )
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     _install_error_handlers(app)
-    for router_module in (inference, vectors, latches, health):
+    for router_module in (inference, models, tokenize, vectors, latches, health):
         app.include_router(router_module.router)
     for name in OPTIONAL_ROUTERS:
         _include_optional(app, name)
     openapi.install(app)
+    # Outermost, added last: every response (the 413, a 500, a 429 counted by the
+    # metrics middleware) leaves in the one error shape and with its request id.
+    request_id.install_log_records()
+    app.add_middleware(OpenAIErrorMiddleware)
+    app.add_middleware(RequestIdMiddleware)
     return app
 
 
@@ -170,10 +187,13 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     async def http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         status = exc.status_code
-        kind = "invalid_request_error" if status < 500 else "server_error"
-        return JSONResponse(error_body(str(exc.detail), kind, None, code), status_code=status)
+        code = code_for_status(status)
+        message = str(exc.detail)
+        if status == 404:  # OpenAI's words for a route that does not exist
+            message = f"Invalid URL ({request.method} {request.url.path})"
+        kind = spec(code).type if spec(code).status else "invalid_request_error"
+        return JSONResponse(error_body(message, kind, None, code), status_code=status)
 
     async def validation_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)

@@ -25,7 +25,7 @@ def _bearer(request: Request) -> str | None:
 
 
 def _invalid() -> APIError:
-    return APIError(401, "invalid_api_key", "Incorrect or missing API key.")
+    return APIError("invalid_api_key", "Incorrect or missing API key.")
 
 
 async def get_tenant(request: Request) -> Tenant:
@@ -51,7 +51,7 @@ async def require_admin(request: Request) -> None:
         return
     token = _bearer(request)
     if token and await request.app.state.tenants.resolve_key(token) is not None:
-        raise APIError(403, "permission_denied", "This route needs the admin key.")
+        raise APIError("permission_denied", "This route needs the admin key.")
     raise _invalid()
 
 

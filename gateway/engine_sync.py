@@ -72,8 +72,8 @@ class EngineSync:
                     (parts[1], str(row.get("digest", "")), row["conversation_id"])
                 )
         deleted = failed = 0
-        for tenant_id, held in by_tenant.items():
-            for kind, scoped in await self._extra(tenant_id, held):
+        for owner, held in by_tenant.items():
+            for kind, scoped in await self._extra(owner, held):
                 if await self.engines.delete_engine_entry(engine, kind, scoped):
                     deleted += 1
                 else:

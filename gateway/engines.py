@@ -54,11 +54,17 @@ class EngineClient:
             await self.pool.refresh()
             shape = self.pool.shape()
         if shape is None:
-            raise APIError(502, "engine_unavailable", "The inference engine is unavailable.")
+            raise APIError("engine_unavailable", "The inference engine is unavailable.")
         return shape
 
     async def models(self) -> UpstreamResponse:
         return await self.pool.request("GET", engine_api.MODELS)
+
+    async def tokenize(self, content: bytes) -> UpstreamResponse:
+        return await self.pool.request("POST", engine_api.TOKENIZE, content=content)
+
+    async def detokenize(self, content: bytes) -> UpstreamResponse:
+        return await self.pool.request("POST", engine_api.DETOKENIZE, content=content)
 
     # -- inference --------------------------------------------------------------------
 
@@ -124,7 +130,7 @@ class EngineClient:
     async def status(self, engine: Engine) -> dict[str, Any]:
         r = await self.pool.request("GET", engine_api.STATUS, engine=engine, timeout_s=2.0)
         if r.status != 200:
-            raise APIError(502, "engine_unavailable", "The inference engine is unavailable.")
+            raise APIError("engine_unavailable", "The inference engine is unavailable.")
         doc = r.json()
         return doc if isinstance(doc, dict) else {}
 
@@ -134,7 +140,7 @@ class EngineClient:
         params = {"prefix": tenant_prefix(tenant_id)} if tenant_id else None
         r = await self.pool.request("GET", route, engine=engine, params=params, timeout_s=10.0)
         if r.status != 200:
-            raise APIError(502, "engine_unavailable", "The inference engine is unavailable.")
+            raise APIError("engine_unavailable", "The inference engine is unavailable.")
         rows = r.json()
         if isinstance(rows, dict):  # the vector list may come wrapped
             rows = rows.get("data", [])

@@ -2,17 +2,25 @@
 
 Private to ``gateway/upstream.py`` (nothing else imports it): the engine API is a
 handful of JSON routes plus SSE, so this does only what that needs — keep-alive
-connection pools per origin, ``Content-Length`` request bodies, responses with a
+connection pools per origin with a cap on open connections, ``Content-Length``
+request bodies, responses with a
 length, chunked or close-delimited body, delivered whole or chunk by chunk with
 back-pressure, and connect / read timeouts. It exists because httpx costs several
 hundred microseconds of pure Python per request, which was most of the gateway's
 added latency (see docs/gateway.md, Performance).
 
-Errors: :class:`ConnectError` (could not connect, incl. connect timeout),
+Errors: :class:`ConnectError` (could not connect, incl. connect timeout;
+:class:`PoolExhausted` when every connection the cap allows stayed busy that long),
 :class:`ReadTimeout` (no bytes for ``read_timeout_s``), :class:`ProtocolError`
 (the connection broke or the answer was not HTTP), :class:`InvalidRequest` (refused
 before any connection was used: a request target or header that would not be one
 well-formed HTTP/1.1 request). All are :class:`HTTPError`.
+
+Resending: a request is sent again (once, on a new connection) only when that cannot
+make the engine act twice: it never left (the pooled connection was already closing,
+or the write itself failed), or it is idempotent and a kept-alive connection broke
+before any byte of an answer came back. A POST the engine may have read is never
+resent: the caller gets :class:`ProtocolError`. Tests: tests/gateway/test_http1.py.
 """
 
 from __future__ import annotations
@@ -31,6 +39,12 @@ import httptools
 HIGH_WATER = 256 * 1024
 #: Idle keep-alive connections kept per origin (more are closed on release).
 MAX_IDLE = 64
+#: Open connections (connecting, in use or idle) per origin, unless the Client is told
+#: otherwise; a request beyond it waits (FIFO) up to the connect timeout.
+MAX_CONNECTIONS = 256
+#: Methods whose repetition has the effect of one (RFC 9110 9.2.2); the engine's PUT
+#: and DELETE of vectors and latches are idempotent by design.
+IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
 
 
 class HTTPError(Exception):
@@ -39,6 +53,10 @@ class HTTPError(Exception):
 
 class ConnectError(HTTPError):
     pass
+
+
+class PoolExhausted(ConnectError):
+    """Every connection the per-origin cap allows stayed busy for the connect timeout."""
 
 
 class ReadTimeout(HTTPError):
@@ -96,9 +114,16 @@ class _Conn(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.loop = pool.loop
         self.reused = False
+        #: Counted against the pool's cap until it closes (set once connected).
+        self.slot = False
+        self.paused = False
         self._reset()
 
     def _reset(self) -> None:
+        if self.paused and self.transport is not None:
+            # A body that ended while reading was paused, released unread: a paused
+            # connection would never see the next answer.
+            self.transport.resume_reading()
         self.status = 0
         self.headers: dict[str, str] = {}
         self.head_done: asyncio.Future[None] = self.loop.create_future()
@@ -109,6 +134,14 @@ class _Conn(asyncio.Protocol):
         self.waiter: asyncio.Future[None] | None = None
         self.paused = False
         self.got_bytes = False
+        #: Taken from the head: httptools forgets it once the message is complete.
+        self.keep_alive = False
+        #: Some of the request may have reached the engine (the write did not fail).
+        self.sent = False
+
+    def usable(self) -> bool:
+        """Open, and not known to be closing (an EOF from the engine closes it)."""
+        return not self.closed and self.transport is not None and not self.transport.is_closing()
 
     # -- asyncio.Protocol --------------------------------------------------------
 
@@ -125,20 +158,22 @@ class _Conn(asyncio.Protocol):
             self._close()
 
     def eof_received(self) -> bool | None:
-        # Close-delimited bodies end at EOF; anything else ending here is a break.
-        try:
-            self.parser.feed_data(b"")
-        except httptools.HttpParserError:
-            pass
+        # Close the transport: connection_lost then ends a close-delimited body (or
+        # reports a break). Feeding b"" here would not: httptools only emits an empty body.
         return None
 
     def connection_lost(self, exc: Exception | None) -> None:
+        by_us = self.closed
         self.closed = True
+        self._free_slot()
+        self.pool.forget(self)
         if self.complete:
             return
         h = self.headers
         if (
-            self.head_done.done()
+            exc is None  # the engine's EOF; never a reset, nor our own close mid-body
+            and not by_us
+            and self.head_done.done()
             and self.error is None
             and "content-length" not in h
             and "chunked" not in h.get("transfer-encoding", "")
@@ -156,6 +191,12 @@ class _Conn(asyncio.Protocol):
 
     # -- httptools callbacks -----------------------------------------------------
 
+    def on_message_begin(self) -> None:
+        if self.complete:
+            # More bytes after the answer (before we asked again): not HTTP we can trust;
+            # the answer already read stays intact, the connection is not reused.
+            raise ProtocolError("bytes after the response")
+
     def on_header(self, name: bytes, value: bytes) -> None:
         key = name.decode("latin-1").lower()
         val = value.decode("latin-1")
@@ -164,6 +205,7 @@ class _Conn(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
+        self.keep_alive = self.parser.should_keep_alive()
         if not self.head_done.done():
             self.head_done.set_result(None)
 
@@ -198,6 +240,12 @@ class _Conn(asyncio.Protocol):
         self.closed = True
         if self.transport is not None:
             self.transport.close()
+        self._free_slot()  # now, not at connection_lost: a waiter may use it at once
+
+    def _free_slot(self) -> None:
+        if self.slot:
+            self.slot = False
+            self.pool.slot_freed()
 
     async def _wait(self, fut: asyncio.Future[Any], timeout_s: float) -> None:
         handle = self.loop.call_later(timeout_s, _expire, fut)
@@ -267,12 +315,7 @@ class Response:
             return
         self._released = True
         conn = self._conn
-        reusable = (
-            conn.complete
-            and not conn.closed
-            and conn.error is None
-            and conn.parser.should_keep_alive()
-        )
+        reusable = conn.complete and conn.error is None and conn.keep_alive and conn.usable()
         if reusable:
             conn.pool.release(conn)
         else:
@@ -280,9 +323,11 @@ class Response:
 
 
 class _Pool:
-    """Idle keep-alive connections to one origin, most recently used first."""
+    """Connections to one origin: at most ``max_connections`` open, idle keep-alive
+    ones most recently used first, and the requests waiting for one, first come first
+    served (a released connection or a freed slot goes to the longest waiter)."""
 
-    def __init__(self, origin: str, ssl_ctx: ssl.SSLContext | None) -> None:
+    def __init__(self, origin: str, ssl_ctx: ssl.SSLContext | None, max_connections: int) -> None:
         parts = urlsplit(origin)
         self.host = parts.hostname or "127.0.0.1"
         self.port = parts.port or (443 if parts.scheme == "https" else 80)
@@ -290,15 +335,32 @@ class _Pool:
         default = (parts.scheme == "https" and self.port == 443) or self.port == 80
         self.host_header = self.host if default else f"{self.host}:{self.port}"
         self.idle: list[_Conn] = []
+        self.max_connections = max_connections
+        #: Connections counted against the cap: connecting, in use or idle.
+        self.open = 0
+        #: Each gets a connection handed over, or None: a slot is reserved, connect.
+        self.waiters: collections.deque[asyncio.Future[_Conn | None]] = collections.deque()
         self.loop = asyncio.get_running_loop()
 
     async def acquire(self, connect_timeout_s: float, *, fresh: bool = False) -> _Conn:
-        while self.idle and not fresh:
-            conn = self.idle.pop()
-            if not conn.closed:
-                conn._reset()
-                conn.reused = True
-                return conn
+        """A connection for one exchange; ``fresh``: never one that sat idle."""
+        if not self.waiters:
+            if not fresh:
+                while self.idle:
+                    conn = self.idle.pop()
+                    if conn.usable():
+                        conn._reset()
+                        conn.reused = True
+                        return conn
+                    conn._close()
+            elif self.open >= self.max_connections and self.idle:
+                self.idle.pop(0)._close()  # the oldest idle one makes room for the retry
+        if self.open < self.max_connections and not self.waiters:
+            self.open += 1
+        else:
+            conn_or_slot = await self._wait_turn(connect_timeout_s)
+            if conn_or_slot is not None:
+                return conn_or_slot
         try:
             _, conn = await asyncio.wait_for(
                 self.loop.create_connection(
@@ -311,19 +373,76 @@ class _Pool:
                 connect_timeout_s,
             )
         except (OSError, asyncio.TimeoutError) as exc:
+            self.slot_freed()
             raise ConnectError(type(exc).__name__) from exc
+        except BaseException:
+            self.slot_freed()
+            raise
+        if conn.closed:  # reset before we could use it
+            self.slot_freed()
+            raise ConnectError("engine connection closed")
+        conn.slot = True
         return conn
 
+    async def _wait_turn(self, timeout_s: float) -> _Conn | None:
+        fut: asyncio.Future[_Conn | None] = self.loop.create_future()
+        self.waiters.append(fut)
+        handle = self.loop.call_later(timeout_s, _expire, fut)
+        try:
+            return await fut
+        except asyncio.TimeoutError:
+            raise PoolExhausted("engine connection pool exhausted") from None
+        except BaseException:
+            # Cancelled: a connection or slot handed over in the meantime goes back.
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                got = fut.result()
+                if got is None:
+                    self.slot_freed()
+                else:
+                    self.release(got)
+            raise
+        finally:
+            handle.cancel()
+            if fut in self.waiters:
+                self.waiters.remove(fut)
+
+    def _next_waiter(self) -> asyncio.Future[_Conn | None] | None:
+        while self.waiters:
+            fut = self.waiters.popleft()
+            if not fut.done():
+                return fut
+        return None
+
     def release(self, conn: _Conn) -> None:
-        if len(self.idle) < MAX_IDLE:
+        """A connection whose answer was read in full and may be kept alive."""
+        waiter = self._next_waiter()
+        if waiter is not None:
+            conn._reset()
+            conn.reused = True
+            waiter.set_result(conn)
+        elif len(self.idle) < MAX_IDLE:
             self.idle.append(conn)
         else:
             conn._close()
 
+    def slot_freed(self) -> None:
+        waiter = self._next_waiter()
+        if waiter is not None:
+            waiter.set_result(None)  # the slot passes to it: it stays counted
+        else:
+            self.open -= 1
+
+    def forget(self, conn: _Conn) -> None:
+        if conn in self.idle:
+            self.idle.remove(conn)
+
     def close(self) -> None:
-        for conn in self.idle:
+        for conn in list(self.idle):
             conn._close()
         self.idle.clear()
+        while (waiter := self._next_waiter()) is not None:
+            waiter.set_exception(ConnectError("client closed"))
+            waiter.exception()  # mark retrieved: the waiter may be gone
 
 
 class Client:
@@ -335,7 +454,13 @@ class Client:
         headers: dict[str, str],
         connect_timeout_s: float,
         read_timeout_s: float,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
+        """``max_connections``: open connections per origin (engine); more concurrent
+        requests wait for one, first come first served, up to ``connect_timeout_s``."""
+        if max_connections < 1:
+            raise ValueError("max_connections must be at least 1")
+        self.max_connections = max_connections
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         for name, value in headers.items():
@@ -350,7 +475,7 @@ class Client:
         if pool is None:
             if origin.startswith("https:") and self._ssl is None:
                 self._ssl = ssl.create_default_context()
-            pool = self._pools[origin] = _Pool(origin, self._ssl)
+            pool = self._pools[origin] = _Pool(origin, self._ssl, self.max_connections)
         return pool
 
     def _head(self, pool: _Pool, method: str) -> bytes:
@@ -369,16 +494,21 @@ class Client:
         content: bytes | None = None,
         content_type: str | None = None,
         read_timeout_s: float | None = None,
+        headers: dict[str, str] | None = None,
     ) -> Response:
         """Send a request to ``origin`` (``http://host:port``) for ``target`` (path
         and query) and wait for the response head. Raises :class:`InvalidRequest`
-        before touching a connection if ``target`` or ``content_type`` is unsafe."""
+        before touching a connection if ``target``, ``content_type`` or a header in
+        ``headers`` (per-request, e.g. ``x-request-id``) is unsafe."""
         check_target(method, target)
         if content_type is not None:
             check_header("content-type", content_type)
         pool = self._pool(origin)
         timeout = self.read_timeout_s if read_timeout_s is None else read_timeout_s
         extra = f"content-type: {content_type}\r\n" if content_type else ""
+        for name, value in (headers or {}).items():
+            check_header(name, value)
+            extra += f"{name}: {value}\r\n"
         if content is not None or method in ("POST", "PUT", "PATCH"):
             extra += f"content-length: {len(content or b'')}\r\n"
         data = b"".join(
@@ -394,18 +524,26 @@ class Client:
         try:
             return await self._exchange(conn, data, timeout)
         except ProtocolError:
-            # A kept-alive connection the engine closed while idle (its keep-alive
-            # timeout) before reading a byte of ours: the request never arrived, so
-            # it is safe to send once more on a new connection.
-            if not conn.reused or conn.got_bytes:
+            # Once more on a new connection only if that cannot make the engine act
+            # twice: nothing of ours left (the connection was closing, or the write
+            # failed), or an idempotent request on a kept-alive connection that broke
+            # before any answer (the engine's keep-alive timeout racing our write).
+            # A POST the engine may have read is never resent.
+            retry = not conn.sent or (method in IDEMPOTENT and conn.reused and not conn.got_bytes)
+            if not retry:
                 raise
         conn = await pool.acquire(self.connect_timeout_s, fresh=True)
         return await self._exchange(conn, data, timeout)
 
     async def _exchange(self, conn: _Conn, data: bytes, timeout: float) -> Response:
-        assert conn.transport is not None
+        transport = conn.transport
+        assert transport is not None
         try:
-            conn.transport.write(data)
+            if not conn.usable():  # it closed between acquire and now: nothing sent
+                raise ProtocolError("engine connection closed")
+            transport.write(data)
+            # A write that failed at once closed the transport: not a byte went out.
+            conn.sent = not transport.is_closing()
             await conn._wait(conn.head_done, timeout)
         except asyncio.TimeoutError:
             conn._close()

@@ -14,18 +14,26 @@ import math
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway import keys
 from gateway.scripts import Scripts, evalsha
-from gateway.store import store_errors
+from gateway.store import store_errors, store_unavailable
 from gateway.tenants import Tenant
 from shared.errors import APIError
+
+if TYPE_CHECKING:
+    from gateway.accounting import Settler
 
 log = logging.getLogger("steergate.gateway.limits")
 
 DEFAULT_COMPLETION_RESERVE = 256
 CHARS_PER_TOKEN = 4
+#: admit_request.lua's status for an admission that ran after its deadline.
+LATE = 5
+#: Added to the Redis timeout for the deadline. An admission that runs inside the slack
+#: after its client gave up is released by its cancellation (``Settler.cancel``).
+DEADLINE_SLACK_S = 1.0
 
 _REJECTIONS = {
     1: (
@@ -37,7 +45,11 @@ _REJECTIONS = {
         "Rate limit reached for tokens per minute ({limit}). Retry in {retry}.",
     ),
     3: ("concurrency_limit_exceeded", "Too many concurrent requests (limit {limit})."),
-    4: ("latch_quota_exceeded", "Storing this latch would exceed the tenant's latch quota."),
+    4: (
+        "latch_quota_exceeded",
+        "Storing this latch would exceed the tenant's latch quota; waiting does not help: "
+        "delete a latch (DELETE /v1/steering/latches/{{conversation_id}}) to make room.",
+    ),
 }
 
 
@@ -58,6 +70,8 @@ class Admission:
     unmetered: bool = False
     #: Current content digest of each named vector the request uses ("" = no such vector).
     vector_digests: dict[str, str] = field(default_factory=dict)
+    #: When the lease expires unless renewed (ms, this gateway's clock).
+    lease_expiry_ms: int = 0
 
     @property
     def latch_digest(self) -> str:
@@ -77,7 +91,12 @@ def estimate_tokens(body: dict[str, Any]) -> int:
             len(p) if isinstance(p, str) else 4 * len(p) if isinstance(p, list) else 4
             for p in prompt
         )
+    for text in (body.get("input"), body.get("instructions")):  # the Responses API
+        if isinstance(text, str):
+            chars += len(text)
     messages = body.get("messages")
+    if isinstance(body.get("input"), list):  # Responses API input items read like messages
+        messages = body["input"]
     for msg in messages if isinstance(messages, list) else []:
         content = msg.get("content") if isinstance(msg, dict) else None
         if isinstance(content, str):
@@ -86,7 +105,9 @@ def estimate_tokens(body: dict[str, Any]) -> int:
             chars += sum(
                 len(str(part.get("text", ""))) for part in content if isinstance(part, dict)
             )
-    budget = body.get("max_completion_tokens", body.get("max_tokens"))
+    budget = body.get(
+        "max_completion_tokens", body.get("max_tokens", body.get("max_output_tokens"))
+    )
     if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
         budget = DEFAULT_COMPLETION_RESERVE
     n = body.get("n", 1)
@@ -120,12 +141,32 @@ def _headers(tenant: Tenant, r: list[Any]) -> dict[str, str]:
 
 
 class Limiter:
-    """Runs admit_request.lua; raises 429 (with Retry-After) or 503 store_unavailable."""
+    """Runs admit_request.lua; raises 429 (with Retry-After) or 503 store_unavailable.
 
-    def __init__(self, scripts: Scripts, *, lease_ttl_s: float, fail_open: bool = False) -> None:
+    With a ``settler`` (the app always has one), an admitted lease is renewed while its
+    request runs (``accounting.Leases``), an admission whose answer never came is
+    cancelled, and each admission carries a deadline (``redis_timeout_s`` after it was
+    sent, when its client gives up, plus ``DEADLINE_SLACK_S`` for event-loop delays and
+    the clock offset's error) after which admit_request.lua refuses it without writing
+    anything."""
+
+    def __init__(
+        self,
+        scripts: Scripts,
+        *,
+        lease_ttl_s: float = 30.0,
+        fail_open: bool = False,
+        settler: Settler | None = None,
+        redis_timeout_s: float = 0.0,
+    ) -> None:
         self.scripts = scripts
         self.lease_ttl_ms = int(lease_ttl_s * 1000)
         self.fail_open = fail_open
+        self.settler = settler
+        self.deadline_s = redis_timeout_s + DEADLINE_SLACK_S if redis_timeout_s > 0 else 0.0
+        #: A latch being stored that no live request has touched for this long was
+        #: abandoned (admit_request.lua, ARGV[17]); live ones are touched every TTL/2.
+        self.pending_horizon_ms = 2 * self.lease_ttl_ms
 
     async def admit(
         self,
@@ -143,6 +184,12 @@ class Limiter:
         minute = now_ms // 60000
         lease_id = secrets.token_hex(8)
         cost = min(tokens, lim.tpm)
+        expiry_ms = now_ms + self.lease_ttl_ms
+        deadline = (
+            self.settler.leases.deadline(now_ms, self.deadline_s)
+            if self.settler is not None and self.deadline_s > 0
+            else 0
+        )
         args = [
             now_ms,
             lim.rpm,
@@ -150,7 +197,7 @@ class Limiter:
             cost,
             lim.max_concurrency,
             lease_id,
-            now_ms + self.lease_ttl_ms,
+            expiry_ms,
             conversation_id or "",
             "1" if latch else "0",
             latch_bytes,
@@ -159,6 +206,8 @@ class Limiter:
             lim.latch_bytes,
             lim.latch_policy,
             keys.USAGE_MINUTE_TTL_S,
+            deadline,
+            self.pending_horizon_ms,
             len(vector_names or ()),
             *(vector_names or ()),
         ]
@@ -168,6 +217,10 @@ class Limiter:
                     self.scripts.admit_request, keys.admit_keys(tenant.id, minute), args
                 )
         except APIError:
+            if self.settler is not None:  # it may still run (a hung Redis replays it)
+                lost = Admission(tenant, lease_id, minute, cost, None, False, "", [])
+                lost.lease_expiry_ms = expiry_ms
+                self.settler.cancel(lost)
             if not self.fail_open:
                 raise
             log.warning("rate-limit store unavailable: admitting UNMETERED (fail-open is set)")
@@ -178,9 +231,11 @@ class Limiter:
         names = list(vector_names or ())
         n_names = len(names)
         status = int(r[0])
+        if status == LATE:  # only a retried send can see this: its client timed out
+            raise store_unavailable()
         if status:
             raise _rejection(status, tenant, int(r[1]), headers)
-        return Admission(
+        adm = Admission(
             tenant=tenant,
             lease_id=lease_id,
             minute=minute,
@@ -193,10 +248,19 @@ class Limiter:
             vector_digests={
                 n: str(d or "") for n, d in zip(names, r[7 : 7 + n_names], strict=True)
             },
+            lease_expiry_ms=expiry_ms,
         )
+        if self.settler is not None:
+            self.settler.leases.hold(adm)
+        return adm
 
 
 def _rejection(status: int, tenant: Tenant, retry_ms: int, headers: dict[str, str]) -> APIError:
+    """The 429 for an admission refusal. Only a rate limit (GCRA) knows when it will
+    pass: it carries that exact time (``Retry-After`` / ``retry-after-ms``). The
+    concurrency limit passes when a running request ends (unknown: the client backs
+    off on its own), the latch quota never by waiting (``x-should-retry: false``);
+    the registry in ``shared/errors.py`` sets those headers from the code."""
     code, template = _REJECTIONS[status]
     retry_ms = max(1, retry_ms)
     limit = {1: tenant.limits.rpm, 2: tenant.limits.tpm, 3: tenant.limits.max_concurrency}.get(
@@ -204,12 +268,8 @@ def _rejection(status: int, tenant: Tenant, retry_ms: int, headers: dict[str, st
     )
     message = template.format(limit=limit, retry=duration(retry_ms))
     return APIError(
-        429,
         code,
         message,
-        headers={
-            **headers,
-            "retry-after": str(max(1, math.ceil(retry_ms / 1000))),
-            "retry-after-ms": str(retry_ms),
-        },
+        headers=headers,
+        retry_after_ms=retry_ms if status in (1, 2) else None,
     )

@@ -86,7 +86,7 @@ class BodyLimitMiddleware:
                 await self._refuse(scope, receive, send, body_done=body_done)
 
     async def _refuse(self, scope: Scope, receive: Any, send: Any, *, body_done: bool) -> None:
-        err = APIError(413, "request_too_large", f"Request body exceeds {self.max_bytes} bytes.")
+        err = APIError("request_too_large", f"Request body exceeds {self.max_bytes} bytes.")
         close = [(b"connection", b"close")]
         # With ``Expect: 100-continue`` the client waits for our answer before sending
         # the body; answering without reading means it never sends it.

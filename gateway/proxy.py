@@ -99,7 +99,6 @@ class Turn:
             return False
         if attempt >= MAX_INSTALLS:
             raise APIError(
-                409,
                 "steering_state_changed",
                 "The tenant's steering state changed while this request ran; retry it.",
             )
@@ -170,10 +169,14 @@ class Turn:
         info = f"{spec.nbytes}:{spec.kind}:{spec.digest}"
         try:
             async with store_errors():
-                await self.svc.scripts.keep_latch(
+                orphaned = await self.svc.scripts.keep_latch(
                     keys=keys.latch_keys(self.tenant_id),
                     args=[self.head.conversation_id, info, spec.encode()],
                 )
+            if int(orphaned):
+                # A concurrent turn's quota eviction took it while this one ran: Redis
+                # holds no latch, so the engine's copy is never bridged; free its memory.
+                self.svc.engines.forget_latches_soon(self.tenant_id, [self.head.conversation_id])
         except APIError:
             # The engine holds it and the ledger counts it; only a restore elsewhere
             # is lost until the conversation latches again. Never fail the turn for it.

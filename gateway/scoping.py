@@ -106,7 +106,11 @@ def prescan(body: dict[str, Any]) -> Head:
             else:
                 sites.update((term.get("hook"), layer) for layer in _term_layers(term, param))
         if latch and conv is None:
-            raise InvalidField("steering.latch", "'steering.latch' needs a 'conversation_id'")
+            raise InvalidField(
+                "steering.latch",
+                "'steering.latch' needs a 'conversation_id'",
+                code="latch_without_conversation_id",
+            )
     return Head(
         conversation_id=conv,
         names=tuple(names),

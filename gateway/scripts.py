@@ -23,6 +23,7 @@ class Scripts:
     keep_latch: Any
     put_vector: Any
     drop_vector: Any
+    renew_leases: Any
 
     @classmethod
     def load(cls, redis: Redis) -> Scripts:

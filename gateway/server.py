@@ -6,6 +6,13 @@ import argparse
 import gc
 import logging
 import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from shared.settings import GatewaySettings
+
+#: An idle keep-alive connection is closed after this (uvicorn's default, made explicit).
+KEEP_ALIVE_S = 5
 
 REQUIRED = {
     "admin_key": "STEERGATE_ADMIN_KEY",
@@ -56,6 +63,17 @@ def main(argv: list[str] | None = None) -> int:
         # Explicit, so a missing extra fails loudly instead of silently falling back
         # to asyncio + h11 (about twice the per-request cost).
         loop="uvloop",
-        http="httptools",
+        **connection_options(settings),
     )
     return 0
+
+
+def connection_options(settings: GatewaySettings) -> dict[str, Any]:
+    """uvicorn options that bound what one client connection may hold: httptools with a
+    request-head timeout (``gateway/head_timeout.py``) and the keep-alive idle timeout."""
+    from gateway.head_timeout import head_timeout_protocol
+
+    return {
+        "http": head_timeout_protocol(settings.header_timeout_s),
+        "timeout_keep_alive": KEEP_ALIVE_S,
+    }

@@ -20,6 +20,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from shared.errors import APIError
@@ -31,8 +32,15 @@ Redis = Any  # redis.asyncio.Redis | RedisCluster | fakeredis.FakeAsyncRedis (sa
 LUA_DIR = Path(__file__).resolve().parent / "lua"
 
 
-def connect(url: str | None, timeout_s: float) -> Redis:
-    """A client for ``url``; nothing is contacted until the first command."""
+def connect(url: str | None, timeout_s: float, health_check_interval_s: float = 5.0) -> Redis:
+    """A client for ``url``; nothing is contacted until the first command.
+
+    A command that fails with a *connection* error (a pooled connection the server has
+    closed, e.g. after a Redis restart) is sent once more on a fresh connection; a
+    timeout never is (that would double the 503 bound). A resend only happens when the
+    reply was lost, and everything the gateway sends survives one: reads, writes that
+    set a value, and the scripts, which are idempotent (admit_request.lua by lease id,
+    settle_request.lua by its lease). Idle connections are PINGed before reuse."""
     if not url:
         import fakeredis
 
@@ -42,9 +50,9 @@ def connect(url: str | None, timeout_s: float) -> Redis:
         )
         return fakeredis.FakeAsyncRedis(decode_responses=True)
     common: dict[str, Any] = {
-        # No client-side retries: redis-py's default (3 retries with backoff) would turn
-        # a 0.5 s timeout into several seconds; the contract wants 503 within 1 s.
-        "retry": Retry(NoBackoff(), 0),
+        # One immediate resend on a connection error only: redis-py's default (3 retries
+        # with backoff, timeouts included) would turn a 0.5 s timeout into seconds.
+        "retry": Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
         "decode_responses": True,
         "socket_timeout": timeout_s,
         "socket_connect_timeout": timeout_s,
@@ -52,7 +60,9 @@ def connect(url: str | None, timeout_s: float) -> Redis:
     if url.startswith("redis+cluster://") or url.startswith("rediss+cluster://"):
         plain = url.replace("+cluster", "", 1)
         return RedisCluster.from_url(plain, **common)
-    return aioredis.Redis.from_url(url, health_check_interval=0, max_connections=256, **common)
+    return aioredis.Redis.from_url(
+        url, health_check_interval=health_check_interval_s, max_connections=256, **common
+    )
 
 
 def lua_source(name: str) -> str:
@@ -62,7 +72,7 @@ def lua_source(name: str) -> str:
 
 def store_unavailable() -> APIError:
     return APIError(
-        503, "store_unavailable", "The rate-limit store is unavailable; try again shortly."
+        "store_unavailable", "The rate-limit store is unavailable; try again shortly."
     )
 
 

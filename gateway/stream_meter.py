@@ -40,6 +40,10 @@ class StreamMeter:
         """Account one parsed SSE ``data:`` document."""
         if not isinstance(doc, dict):
             return
+        kind = doc.get("type")
+        if isinstance(kind, str) and kind.startswith("response."):
+            self._observe_response_event(kind, doc)
+            return
         choices = doc.get("choices")
         usage = doc.get("usage")
         usage = usage if isinstance(usage, dict) else None
@@ -63,6 +67,18 @@ class StreamMeter:
                 self.generated[i] = completion
             self.prompt = max(self.prompt, _int(usage.get("prompt_tokens")))
 
+    def _observe_response_event(self, kind: str, doc: dict[str, Any]) -> None:
+        """The Responses API: text deltas while it runs, the usage in its last event."""
+        if kind in ("response.completed", "response.incomplete", "response.failed"):
+            response = doc.get("response")
+            usage = response.get("usage") if isinstance(response, dict) else None
+            if isinstance(usage, dict) and _int(usage.get("total_tokens")) >= 0:
+                self.final = _int(usage["total_tokens"])
+        elif kind.endswith(".delta") and isinstance(doc.get("delta"), str) and doc["delta"]:
+            i = max(0, _int(doc.get("output_index")))
+            n = max(1, math.ceil(len(doc["delta"]) / CHARS_PER_TOKEN))
+            self.generated[i] = self.generated.get(i, 0) + n
+
     def tokens(self, prompt_estimate: Callable[[], int]) -> int:
         """The charge: the engine's final usage if it came, else prompt + generated."""
         if self.final >= 0:
@@ -79,7 +95,9 @@ def prompt_estimate(content: bytes) -> int:
         return 0
     if not isinstance(body, dict):
         return 0
-    return estimate_tokens({**body, "max_tokens": 0, "max_completion_tokens": 0})
+    return estimate_tokens(
+        {**body, "max_tokens": 0, "max_completion_tokens": 0, "max_output_tokens": 0}
+    )
 
 
 def _tokens_in(choice: dict[str, Any]) -> int:

@@ -157,10 +157,12 @@ class TenantStore:
         engine_caps: EngineCaps | None = None,
         on_deleted: OnTenantDeleted | None = None,
         cache_ttl_s: float = 30.0,
+        refuse_overcommit: bool = False,
     ) -> None:
         self.redis = redis
         self._pepper = pepper
         self._engine_caps = engine_caps or (lambda: None)
+        self.refuse_overcommit = refuse_overcommit
         self.on_deleted = on_deleted
         self.cache = AuthCache(cache_ttl_s)
 
@@ -184,7 +186,7 @@ class TenantStore:
             created = await self.redis.set(keys.tenant_record(tenant_id), tenant.record(), nx=True)
             if not created:
                 raise APIError(
-                    409, "tenant_exists", f"tenant '{tenant_id}' already exists", param="id"
+                    "tenant_exists", f"tenant '{tenant_id}' already exists", param="id"
                 )
             await self.redis.sadd(keys.TENANT_INDEX, tenant_id)
         return tenant
@@ -197,7 +199,7 @@ class TenantStore:
     async def require(self, tenant_id: str) -> Tenant:
         tenant = await self.get(tenant_id)
         if tenant is None:
-            raise APIError(404, "tenant_not_found", f"no tenant '{tenant_id}'", param="id")
+            raise APIError("tenant_not_found", f"no tenant '{tenant_id}'", param="id")
         return tenant
 
     async def list(self) -> list[Tenant]:
@@ -215,11 +217,11 @@ class TenantStore:
         unknown = set(patch) - {"name", "limits", "allow_overcommit"}
         if unknown:
             field = sorted(unknown)[0]
-            raise APIError(400, "invalid_request", f"unknown field '{field}'", param=field)
+            raise APIError("invalid_request", f"unknown field '{field}'", param=field)
         limits = current.limits.model_dump()
         if patch.get("limits") is not None:
             if not isinstance(patch["limits"], dict):
-                raise APIError(400, "invalid_request", "'limits' must be an object", param="limits")
+                raise APIError("invalid_request", "'limits' must be an object", param="limits")
             limits.update(patch["limits"])
         try:
             updated = Tenant(
@@ -369,9 +371,13 @@ class TenantStore:
     # -- overcommit ----------------------------------------------------------------
 
     async def _check_overcommit(self, tenant: Tenant) -> None:
-        """409 unless Σ latch quotas (this tenant's new limits + every other tenant's)
-        fit the smallest engine's caps, so no tenant can evict another's latches."""
-        if tenant.allow_overcommit:
+        """Only with ``refuse_overcommit`` (STEERGATE_REFUSE_OVERCOMMIT): 409 unless Σ
+        latch quotas (this tenant's new limits + every other tenant's) fit the smallest
+        engine's caps. Engines are caches of Redis, so overcommit never loses a latch;
+        it costs restores (one Redis read and a larger engine request on the turn after
+        an engine evicted the latch). Operators who want every latch to stay resident
+        refuse it; everyone else sees it as a warning in the capacity view."""
+        if tenant.allow_overcommit or not self.refuse_overcommit:
             return
         caps = self._engine_caps() or DEFAULT_ENGINE_CAPS
         others = [t for t in await self.list() if t.id != tenant.id]
@@ -379,7 +385,6 @@ class TenantStore:
         nbytes = tenant.limits.latch_bytes + sum(t.limits.latch_bytes for t in others)
         if count > caps[0] or nbytes > caps[1]:
             raise APIError(
-                409,
                 "engine_overcommitted",
                 f"latch quotas would total {count} latches / {nbytes} bytes, above the engine caps "
                 f"({caps[0]} latches / {caps[1]} bytes); lower the limits or set allow_overcommit",
@@ -399,4 +404,4 @@ def _limits(value: Limits | dict[str, Any] | None) -> Limits:
 def _invalid(exc: ValidationError, root: str) -> APIError:
     first = exc.errors()[0]
     path = ".".join(str(p) for p in (root, *first["loc"]))
-    return APIError(400, "invalid_request", f"'{path}': {first['msg']}", param=path)
+    return APIError("invalid_request", f"'{path}': {first['msg']}", param=path)

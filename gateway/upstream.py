@@ -28,7 +28,7 @@ from urllib.parse import urlencode, urlsplit
 import orjson
 
 from gateway import http1
-from shared import engine_api
+from shared import engine_api, request_id
 from shared.errors import APIError
 from shared.steering import ModelShape
 
@@ -102,17 +102,19 @@ class EngineUnreachable(APIError):
 
 def _unavailable(engine: Engine, exc: Exception) -> APIError:
     if isinstance(exc, http1.ReadTimeout):
-        return APIError(504, "engine_timeout", "The inference engine timed out.")
+        return APIError("engine_timeout", "The inference engine timed out.")
     if isinstance(exc, http1.InvalidRequest):
         # Our bug, not the engine's: never mark it down for it, never show the target.
         log.error("refused to send an ill-formed request to %s", engine.url)
-        return APIError(500, "internal_error", "Internal error.")
+        return APIError("internal_error", "Internal error.")
+    if engine.healthy:
+        log.warning("engine %s unavailable (%s)", engine.url, type(exc).__name__)
     engine.healthy = False
     if isinstance(exc, http1.ConnectError):
         return EngineUnreachable(
-            502, "engine_unavailable", "The inference engine is unavailable."
+            "engine_unavailable", "The inference engine is unavailable."
         )
-    return APIError(502, "engine_unavailable", "The inference engine is unavailable.")
+    return APIError("engine_unavailable", "The inference engine is unavailable.")
 
 
 SyncCallback = Callable[[Engine], Awaitable[None]]
@@ -128,12 +130,14 @@ class EnginePool:
         *,
         connect_timeout_s: float = 5.0,
         read_timeout_s: float = 600.0,
+        max_connections: int = http1.MAX_CONNECTIONS,  # per engine; more wait their turn
     ) -> None:
         self.engines = [Engine(u) for u in urls]
         self._client = http1.Client(
             headers={"authorization": f"Bearer {token}"},
             connect_timeout_s=connect_timeout_s,
             read_timeout_s=read_timeout_s,
+            max_connections=max_connections,
         )
         self._rr = 0
         #: Called for a healthy engine that is dirty (restarted, back from an outage or
@@ -192,6 +196,7 @@ class EnginePool:
                 content=content,
                 content_type=JSON if content is not None else None,
                 read_timeout_s=timeout_s,
+                headers=request_id.outgoing_headers(),
             )
             try:
                 body = await r.read()
@@ -218,6 +223,7 @@ class EnginePool:
                     engine.base_path + path,
                     content=content,
                     content_type=JSON,
+                    headers=request_id.outgoing_headers(),
                 )
             except http1.HTTPError as exc:
                 raise _unavailable(engine, exc) from exc
@@ -273,6 +279,8 @@ class EnginePool:
             except (APIError, asyncio.TimeoutError, ValueError):
                 info = None
             if not isinstance(info, dict):
+                if e.healthy:
+                    log.warning("engine %s failed its info poll", e.url)
                 e.healthy = False
                 return
             if e.info is not None and info.get("epoch") != e.epoch:
@@ -301,4 +309,4 @@ class EnginePool:
 def _check_token(status: int) -> None:
     if status in (401, 403):
         # Never relay as the client's own auth failure: it is our configuration.
-        raise APIError(502, "engine_unavailable", "The inference engine refused the gateway.")
+        raise APIError("engine_unavailable", "The inference engine refused the gateway.")

@@ -4,7 +4,8 @@ Nothing here keeps its own counters for requests, tokens or statuses: the number
 are the limiter's own state, so what ``/v1/usage``, the dashboard and ``/metrics``
 show is exactly what admission decides on, and it is the same on every replica.
 
-* requests/min and tokens/min ``used``: how much of the GCRA window is taken, i.e.
+* requests/min and tokens/min ``used``: the *bucket fill*, how much of the GCRA window
+  is taken (named so in the API's schema; requests *made* are ``requests_made``), i.e.
   ``ceil((TAT - now) / interval)`` with ``interval = 60 s / limit``. It drains
   continuously at ``limit`` per minute; at ``used == limit`` the next request is
   refused. (Tokens include reservations of requests still running.)
@@ -61,11 +62,32 @@ class UsageMinute(BaseModel):
     counts: dict[str, int] = Field(default_factory=dict, description="2xx, 4xx, 429, 5xx")
 
 
+class RequestsMade(BaseModel):
+    """Requests the limiter admitted (made, whatever their answer), not bucket fill."""
+
+    this_minute: int = Field(description="since the start of the current clock minute")
+    window: int = Field(description="in the last window_minutes")
+    total: int = Field(description="since the tenant was created")
+
+
+QUOTAS_DESCRIPTION = (
+    "used/limit per quota. requests_per_minute and tokens_per_minute: the rate "
+    "limiter's bucket fill, i.e. how much of the one-minute allowance is taken now (it "
+    "drains continuously; at used == limit the next request gets 429) -- not a count of "
+    "requests made (see requests_made). concurrency: requests in flight. latch_count, "
+    "latch_bytes, vector_count, vector_bytes: what is stored."
+)
+
+
 class TenantUsage(BaseModel):
     tenant_id: str
     name: str = ""
     limits: Limits
-    quotas: dict[str, QuotaUse] = Field(description="used/limit per quota, keyed as in QUOTA_NAMES")
+    quotas: dict[str, QuotaUse] = Field(description=QUOTAS_DESCRIPTION)
+    requests_made: RequestsMade = Field(
+        default_factory=lambda: RequestsMade(this_minute=0, window=0, total=0),
+        description="requests admitted: inference, vector uploads, models and tokenizer calls",
+    )
     window_minutes: int = HISTORY_MINUTES
     responses: dict[str, int] = Field(description="2xx/4xx/429/5xx in the last window_minutes")
     responses_total: dict[str, int] = Field(
@@ -175,6 +197,11 @@ async def read_usage(
         quotas=quotas,
         window_minutes=minutes,
         responses=_counts(summed),
+        requests_made=RequestsMade(
+            this_minute=_int(minute_rows[-1].get("requests")) if minute_rows else 0,
+            window=summed.get("requests", 0),
+            total=_int((total or {}).get("requests")),
+        ),
         responses_total=_counts(total or {}),
         tokens_total=_int((total or {}).get("tokens")),
         rejections=_rejections(summed),

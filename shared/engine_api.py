@@ -26,9 +26,13 @@ LATCHES = f"{STEERING}/latches"
 VECTORS = f"{STEERING}/vectors"
 CHAT_COMPLETIONS = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+RESPONSES = "/v1/responses"
 MODELS = "/v1/models"
+#: vLLM's tokenizer routes (not under /v1 on the engine; the gateway serves them there).
+TOKENIZE = "/tokenize"
+DETOKENIZE = "/detokenize"
 #: The inference routes the engine's rewrite middleware steers.
-STEERED_PATHS = frozenset({CHAT_COMPLETIONS, COMPLETIONS})
+STEERED_PATHS = frozenset({CHAT_COMPLETIONS, COMPLETIONS, RESPONSES})
 
 # -- headers --------------------------------------------------------------------------
 

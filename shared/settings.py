@@ -70,7 +70,29 @@ class GatewaySettings(BaseSettings):
             "(default: fail closed with 503)."
         ),
     )
-    redis_timeout_s: float = Field(default=0.5, gt=0, description="Per-command Redis timeout.")
+    redis_timeout_s: float = Field(
+        default=1.0,
+        gt=0,
+        description="Per-command Redis timeout: past it, 503 store_unavailable "
+        "(chosen from bench/redis_timeout.py; docs/operations.md).",
+    )
+    redis_health_check_interval_s: float = Field(
+        default=5.0,
+        ge=0,
+        description="A pooled Redis connection idle this long is PINGed before use "
+        "(and replaced if dead); 0 turns it off.",
+    )
+    lease_ttl_s: float = Field(
+        default=30.0,
+        ge=3,
+        description="Concurrency lease lifetime; renewed while the request runs, so it "
+        "bounds only how long a lease outlives a dead gateway or a lost admission.",
+    )
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="Connections that send no complete request head within this are closed.",
+    )
     engine_connect_timeout_s: float = Field(
         default=5.0, gt=0, description="Engine connect timeout."
     )
@@ -79,6 +101,12 @@ class GatewaySettings(BaseSettings):
     )
     reconcile_interval_s: float = Field(
         default=5.0, gt=0, description="How often the engines are polled (health, restarts)."
+    )
+    refuse_overcommit: bool = Field(
+        default=False,
+        description="Refuse (409) tenant limits whose Σ latch quotas exceed the engine caps, "
+        "unless the tenant sets allow_overcommit. Off: overcommit costs latch restores, "
+        "never latches.",
     )
     engine_sync_interval_s: float = Field(
         default=30.0,

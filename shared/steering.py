@@ -129,7 +129,7 @@ def parse_vector_body(
 ) -> tuple[str, dict[int, np.ndarray], str | None]:
     """A named-vector registration body ``{hook, layers|packed, description?}``."""
     if not isinstance(obj, dict):
-        raise InvalidField("body", "the request body must be a JSON object")
+        raise InvalidField("body", "the request body must be a JSON object", "invalid_json")
     _reject_unknown(obj, {"hook", "layers", "packed", "description"}, None)
     hook = parse_hook(obj.get("hook"), "hook")
     description = obj.get("description")

@@ -40,11 +40,15 @@ def wait_port(port: int, timeout: float) -> bool:
 
 @dataclass
 class RedisProcess:
-    """``redis-server`` on its own port and folder; ``stop()``/``start()`` keep the port."""
+    """``redis-server`` on its own port and folder; ``stop()``/``start()`` keep the port.
+    With ``appendonly``, a restart (``stop()`` is a SIGKILL) reloads the AOF from the
+    same folder, like a production Redis after a crash. ``pause()``/``resume()`` hang
+    it (SIGSTOP/SIGCONT): connections are accepted by the kernel, nothing answers."""
 
     port: int = field(default_factory=free_port)
     dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="sg-redis-"))
     proc: subprocess.Popen | None = None
+    appendonly: bool = False
 
     @property
     def url(self) -> str:
@@ -64,7 +68,9 @@ class RedisProcess:
                 "--save",
                 "",
                 "--appendonly",
-                "no",
+                "yes" if self.appendonly else "no",
+                "--appendfsync",
+                "everysec",
                 "--dir",
                 self.dir,
             ],
@@ -80,6 +86,29 @@ class RedisProcess:
             self.proc.kill()
             self.proc.wait(10)
         self.proc = None
+
+    def pause(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+
+    def wait_ready(self, timeout: float = 10.0) -> None:
+        """Until it answers PING (an AOF restart answers LOADING first)."""
+        import redis
+
+        client = redis.Redis(port=self.port, socket_timeout=1)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if client.ping():
+                    return
+            except redis.RedisError:
+                if time.monotonic() > deadline:
+                    raise
+            time.sleep(0.02)
 
     def flush(self) -> None:
         import redis
@@ -169,5 +198,56 @@ class EngineProcess:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self.proc = None
+
+
+@dataclass
+class GatewayProcess:
+    """``steergate gateway`` in its own process (``env``: its settings)."""
+
+    env: dict[str, str]
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+    log_path: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> GatewayProcess:
+        CACHE.mkdir(parents=True, exist_ok=True)
+        self.log_path = CACHE / f"gateway-{self.port}.log"
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "shared.cli", "gateway", "--port", str(self.port)],
+            cwd=ROOT,
+            env={**os.environ, **self.env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gateway exited early; log: {self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"gateway not ready in {timeout}s; log: {self.log_tail()}")
+
+    def log_tail(self, n: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-n:] if self.log_path else ""
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
                 self.proc.wait(10)
         self.proc = None

@@ -31,7 +31,7 @@ class EngineTokenMiddleware:
         await send_error(
             send,
             APIError(
-                401, "invalid_api_key", "missing or invalid engine token (Authorization: Bearer)"
+                "invalid_api_key", "missing or invalid engine token (Authorization: Bearer)"
             ),
             [(b"www-authenticate", b"Bearer")],
         )

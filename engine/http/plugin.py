@@ -3,8 +3,9 @@ and the pure modules (latch, registry, resolve).
 
 ``attach_router`` runs in ``build_app`` before vLLM adds its own middlewares, so
 ours sit inside vLLM's (CORS stays outermost, which keeps preflight working) and
-outside the router. Order, outermost first: token auth, the JSON depth bound, then
-the steering rewrite. It also redacts scoped ids from uvicorn's access log.
+outside the router. Order, outermost first: the request id, the error shape, token
+auth, the JSON depth bound, then the steering rewrite. It also redacts scoped ids
+from uvicorn's access log.
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ from engine.http.auth import EngineTokenMiddleware
 from engine.http.rewrite import SteeringRewriteMiddleware
 from engine.http.routes import build_router
 from engine.http.runtime import RuntimeRef, SteeringRuntime
+from shared import request_id
 from shared.jsondepth import JsonDepthMiddleware
+from shared.openai_errors import OpenAIErrorMiddleware
+from shared.request_id import RequestIdMiddleware
 from shared.settings import EngineSettings
 from shared.steering import ModelShape
 
@@ -49,6 +53,12 @@ class SteeringEndpointPlugin:
         app.add_middleware(SteeringRewriteMiddleware, runtime=self.runtime)
         app.add_middleware(JsonDepthMiddleware)  # before anything parses a body
         app.add_middleware(EngineTokenMiddleware, token=token)
+        # Outermost of ours: vLLM's own errors (``"code": 400``) and ours leave in one
+        # shape, every response carries the gateway's request id, and every log line
+        # written while serving it ends with it (shared/request_id.py).
+        app.add_middleware(OpenAIErrorMiddleware)
+        app.add_middleware(RequestIdMiddleware)
+        request_id.install_log_records()
         redact_access_log()
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:

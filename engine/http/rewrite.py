@@ -1,6 +1,8 @@
 """The steering rewrite in front of vLLM's completion routes (pure ASGI).
 
-For ``POST /v1/chat/completions`` and ``/v1/completions`` it consumes ``steering``
+For ``POST /v1/chat/completions``, ``/v1/completions`` and ``/v1/responses``
+(``engine_api.STEERED_PATHS``; the rewrite reads no field that differs between them:
+``messages``, ``prompt`` and ``input`` all pass through) it consumes ``steering``
 and ``conversation_id``, validates them against the served model, resolves the
 turn (latch decided *before* forwarding, so the header is known even for streams),
 and forwards an ordinary vLLM request carrying the resolved payload in

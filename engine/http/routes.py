@@ -64,7 +64,7 @@ def build_router(ref: RuntimeRef) -> APIRouter:
             )
         if not ref.get().controller.delete(conversation_id):
             raise APIError(
-                404, "latch_not_found", "this conversation has no latch", param="conversation_id"
+                "latch_not_found", "this conversation has no latch", param="conversation_id"
             )
         return Response(status_code=204)
 
@@ -78,7 +78,7 @@ def build_router(ref: RuntimeRef) -> APIRouter:
     async def get_vector(name: str, include: str | None = None) -> Response:
         vector = ref.get().registry.get(_vector_name(name))
         if vector is None:
-            raise APIError(404, "vector_not_found", "no vector with this name", param="name")
+            raise APIError("vector_not_found", "no vector with this name", param="name")
         return JSONResponse(vector.with_data() if include == "data" else vector.metadata())
 
     @router.put(engine_api.VECTORS + "/{name}")
@@ -99,7 +99,7 @@ def build_router(ref: RuntimeRef) -> APIRouter:
     @_openai_errors
     async def delete_vector(name: str) -> Response:
         if not ref.get().registry.delete(_vector_name(name)):
-            raise APIError(404, "vector_not_found", "no vector with this name", param="name")
+            raise APIError("vector_not_found", "no vector with this name", param="name")
         return Response(status_code=204)
 
     return router

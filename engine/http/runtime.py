@@ -62,5 +62,5 @@ class RuntimeRef:
 
     def get(self) -> SteeringRuntime:
         if self._runtime is None:
-            raise APIError(503, "engine_starting", "the steering engine is still starting")
+            raise APIError("engine_starting", "the steering engine is still starting")
         return self._runtime

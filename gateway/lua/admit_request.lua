@@ -12,14 +12,35 @@
 -- ARGV[8] conversation id ("" = none)   ARGV[9] "1" = store a latch
 -- ARGV[10] latch bytes   ARGV[11] latch kind ("value"|"ref")
 -- ARGV[12] latch_count quota   ARGV[13] latch_bytes quota   ARGV[14] policy ("evict_oldest"|"reject")
--- ARGV[15] usage minute TTL s   ARGV[16] number of named vectors N   ARGV[17..16+N] their names
+-- ARGV[15] usage minute TTL s
+-- ARGV[16] deadline, in Redis's clock (TIME, ms; "0" = none): an admission that runs later
+--          is refused with no write at all. Its client has given up (timed out, answered
+--          503), so a lease taken now would be held by nobody (a hung Redis replays them).
+-- ARGV[17] pending horizon ms: a ledger entry without a digest (a turn storing it, see
+--          keep_latch.lua) not touched for this long has no turn left storing it (live
+--          ones are refreshed by renew_leases.lua): it is reclaimed, not counted.
+-- ARGV[18] number of named vectors N   ARGV[19..18+N] their names
 -- Returns {status, retry_ms, req_remaining, req_reset_ms, tok_remaining, tok_reset_ms,
 --          latch_info of the conversation before this request ("" if none),
 --          N digests of the named vectors ("" where the tenant has no such vector),
 --          evicted conv ids...}
--- status: 0 admitted, 1 requests/min, 2 tokens/min, 3 concurrency, 4 latch quota.
+-- status: 0 admitted, 1 requests/min, 2 tokens/min, 3 concurrency, 4 latch quota,
+--         5 past its deadline (nothing written).
+-- Idempotent: a lease id that is already in KEYS[3] means this admission already ran (a
+-- client resend after a lost reply), or was cancelled (a tombstone: score -expiry, left
+-- by settle_request.lua for an admission whose client timed out): either way it is
+-- answered as admitted and nothing is written or charged.
 
 local PERIOD = 60000
+local deadline = tonumber(ARGV[16])
+if deadline > 0 then
+  -- Redis < 7 replicates scripts verbatim unless told otherwise; TIME needs effects.
+  if redis.replicate_commands then pcall(redis.replicate_commands) end
+  local t = redis.call("TIME")
+  if tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) > deadline then
+    return {5, 0, 0, 0, 0, 0, ""}
+  end
+end
 local now = tonumber(ARGV[1])
 local rpm, tpm, cost = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local conv, want_latch = ARGV[8], ARGV[9] == "1"
@@ -49,9 +70,25 @@ end
 local prev = ""
 if conv ~= "" then prev = redis.call("HGET", KEYS[7], conv) or "" end
 
--- 1. Concurrency: expired leases (crashed gateways) are swept first.
-redis.call("ZREMRANGEBYSCORE", KEYS[3], "-inf", now)
-local inflight = redis.call("ZCARD", KEYS[3])
+local function named_digests(out)
+  local n_names = tonumber(ARGV[18] or "0")
+  for i = 1, n_names do
+    local meta = redis.call("HGET", KEYS[10], ARGV[18 + i]) or ""
+    out[#out + 1] = string.match(meta, '"digest":"(%x+)"') or ""
+  end
+  return out
+end
+
+-- 0. A retry of an admission that already ran: admitted, nothing charged twice.
+if redis.call("ZSCORE", KEYS[3], ARGV[6]) then
+  local _, _, rr, rreset = gcra(KEYS[1], rpm, 0)
+  local _, _, tr, treset = gcra(KEYS[2], tpm, 0)
+  return named_digests({0, 0, rr, rreset, tr, treset, prev})
+end
+
+-- 1. Concurrency: expired leases (crashed gateways) and tombstones are swept first.
+redis.call("ZREMRANGEBYSCORE", KEYS[3], "(" .. -now, now)
+local inflight = redis.call("ZCOUNT", KEYS[3], 0, "+inf")
 
 -- 2. Rates (computed before any write, so a rejection leaves no trace in them).
 local r_ok, r_retry, r_rem, r_reset, r_tat = gcra(KEYS[1], rpm, 1)
@@ -64,12 +101,28 @@ if not t_ok then return reject(2, t_retry, r_rem, r_reset, t_rem, t_reset) end
 
 -- 3. Latch quota: plan evictions (own LRU latches only) before writing anything.
 local evicted = {}
+local gone = {}
 local new_total = 0
 if conv ~= "" and want_latch then
   local nbytes, max_count, max_bytes = tonumber(ARGV[10]), tonumber(ARGV[12]), tonumber(ARGV[13])
   local prev_bytes = tonumber(string.match(prev, "^(%d+)") or "0")
   local count = redis.call("ZCARD", KEYS[6]) - (prev ~= "" and 1 or 0)
   local total = tonumber(redis.call("GET", KEYS[8]) or "0") - prev_bytes
+  if count + 1 > max_count or total + nbytes > max_bytes then
+    -- Abandoned "being stored" entries (their turn's gateway died, or its settlement
+    -- came too late to count) are not latches: reclaim them before any policy applies.
+    local idle = redis.call("ZRANGEBYSCORE", KEYS[6], "-inf", now - tonumber(ARGV[17]))
+    for _, victim in ipairs(idle) do
+      if count + 1 <= max_count and total + nbytes <= max_bytes then break end
+      local info = redis.call("HGET", KEYS[7], victim) or "0"
+      if victim ~= conv and not string.match(info, "^%d+:%a+:") then
+        total = total - tonumber(string.match(info, "^(%d+)") or "0")
+        count = count - 1
+        evicted[#evicted + 1] = victim
+        gone[victim] = true
+      end
+    end
+  end
   if nbytes > max_bytes or max_count < 1 then
     return reject(4, 60000, r_rem, r_reset, t_rem, t_reset)
   end
@@ -78,7 +131,7 @@ if conv ~= "" and want_latch then
     local lru = redis.call("ZRANGE", KEYS[6], 0, -1)
     for _, victim in ipairs(lru) do
       if count + 1 <= max_count and total + nbytes <= max_bytes then break end
-      if victim ~= conv then
+      if victim ~= conv and not gone[victim] then
         local info = redis.call("HGET", KEYS[7], victim) or "0"
         total = total - tonumber(string.match(info, "^(%d+)") or "0")
         count = count - 1
@@ -93,7 +146,9 @@ end
 redis.call("SET", KEYS[1], r_tat, "PX", math.ceil(r_tat - now) + 1000)
 redis.call("SET", KEYS[2], t_tat, "PX", math.ceil(t_tat - now) + 1000)
 redis.call("ZADD", KEYS[3], tonumber(ARGV[7]), ARGV[6])
-redis.call("PEXPIRE", KEYS[3], tonumber(ARGV[7]) - now + 1000)
+-- Only ever lengthened: a gateway with a shorter lease TTL must not cut others' leases.
+local leases_ttl = tonumber(ARGV[7]) - now + 1000
+if redis.call("PTTL", KEYS[3]) < leases_ttl then redis.call("PEXPIRE", KEYS[3], leases_ttl) end
 redis.call("HINCRBY", KEYS[4], "requests", 1)
 redis.call("EXPIRE", KEYS[4], tonumber(ARGV[15]))
 redis.call("HINCRBY", KEYS[5], "requests", 1)
@@ -111,11 +166,6 @@ if conv ~= "" then
     redis.call("ZADD", KEYS[6], "XX", now, conv)  -- recency refresh, only if latched
   end
 end
-local out = {0, 0, r_rem, r_reset, t_rem, t_reset, prev}
-local n_names = tonumber(ARGV[16] or "0")
-for i = 1, n_names do
-  local meta = redis.call("HGET", KEYS[10], ARGV[16 + i]) or ""
-  out[#out + 1] = string.match(meta, '"digest":"(%x+)"') or ""
-end
+local out = named_digests({0, 0, r_rem, r_reset, t_rem, t_reset, prev})
 for _, victim in ipairs(evicted) do out[#out + 1] = victim end
 return out

@@ -12,13 +12,29 @@
 --         "restore" request failed: put ARGV[9] (previous info, "" = none) back; the spec
 --         hash was never changed by the failed request (keep_latch.lua writes it)
 -- ARGV[9] previous latch info   ARGV[10] usage minute TTL s
+-- ARGV[11] cancel: the lease's expiry ms if this settles an admission whose answer never
+--          came ("0" otherwise). If it has not run (yet), a tombstone (score -expiry)
+--          makes admit_request.lua refuse it should it run later (a hung Redis).
 -- Returns 1 when action was "keep" but the latch is no longer ours in Redis (it was
--- evicted while the request ran): the caller must DELETE it on the engine. Else 0.
+-- evicted while the request ran). Nothing needs doing about it: an engine never bridges
+-- a latch Redis does not expect, and the engine sync deletes its copy. Else 0.
+--
+-- Idempotent, so a settlement whose reply was lost can be sent again: the counters and
+-- the token correction apply only while the request's lease is still held (the first
+-- run releases it). The latch actions converge to the same state when repeated.
 
 local now = tonumber(ARGV[1])
-redis.call("ZREM", KEYS[3], ARGV[2])
+local score = redis.call("ZSCORE", KEYS[3], ARGV[2])
+local held = score and tonumber(score) > 0
+if held then redis.call("ZREM", KEYS[3], ARGV[2]) end
+local cancel = tonumber(ARGV[11] or "0")
+if cancel > 0 and not held and cancel > now then
+  redis.call("ZADD", KEYS[3], -cancel, ARGV[2])
+  local ttl = cancel - now + 1000
+  if redis.call("PTTL", KEYS[3]) < ttl then redis.call("PEXPIRE", KEYS[3], ttl) end
+end
 
-local delta = tonumber(ARGV[4])
+local delta = held and tonumber(ARGV[4]) or 0
 if delta ~= 0 then
   local interval = 60000 / tonumber(ARGV[3])
   local tat = tonumber(redis.call("GET", KEYS[2]) or now)
@@ -31,16 +47,18 @@ if delta ~= 0 then
   end
 end
 
-if ARGV[5] ~= "" then
-  redis.call("HINCRBY", KEYS[4], ARGV[5], 1)
-  redis.call("HINCRBY", KEYS[5], ARGV[5], 1)
+if held then
+  if ARGV[5] ~= "" then
+    redis.call("HINCRBY", KEYS[4], ARGV[5], 1)
+    redis.call("HINCRBY", KEYS[5], ARGV[5], 1)
+  end
+  local used = tonumber(ARGV[6])
+  if used > 0 then
+    redis.call("HINCRBY", KEYS[4], "tokens", used)
+    redis.call("HINCRBY", KEYS[5], "tokens", used)
+  end
+  redis.call("EXPIRE", KEYS[4], tonumber(ARGV[10]))
 end
-local used = tonumber(ARGV[6])
-if used > 0 then
-  redis.call("HINCRBY", KEYS[4], "tokens", used)
-  redis.call("HINCRBY", KEYS[5], "tokens", used)
-end
-redis.call("EXPIRE", KEYS[4], tonumber(ARGV[10]))
 
 local conv, action = ARGV[7], ARGV[8]
 if conv == "" or action == "" then return 0 end

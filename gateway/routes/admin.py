@@ -93,9 +93,9 @@ async def _json_object(request: Request) -> dict[str, Any]:
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise APIError(400, "invalid_json", "The request body is not valid JSON.") from exc
+        raise InvalidField("body", "The request body is not valid JSON.", "invalid_json") from exc
     if not isinstance(body, dict):
-        raise InvalidField("body", "The request body must be a JSON object.")
+        raise InvalidField("body", "The request body must be a JSON object.", "invalid_json")
     return body
 
 
@@ -162,7 +162,7 @@ async def update_tenant(tenant_id: str, request: Request) -> dict[str, Any]:
 @router.delete("/tenants/{tenant_id}", status_code=204)
 async def delete_tenant(tenant_id: str, request: Request) -> Response:
     if not await _store(request).delete(tenant_id):
-        raise APIError(404, "tenant_not_found", f"no tenant '{tenant_id}'", param="id")
+        raise APIError("tenant_not_found", f"no tenant '{tenant_id}'", param="id")
     await get_services(request).sync.sync_tenant(tenant_id)
     metrics = getattr(request.app.state, "metrics", None)
     if metrics is not None:
@@ -194,7 +194,7 @@ async def list_keys(tenant_id: str, request: Request) -> dict[str, Any]:
 @router.delete("/keys/{key_id}", status_code=204)
 async def revoke_key(key_id: str, request: Request) -> Response:
     if not await _store(request).revoke_key(key_id):
-        raise APIError(404, "key_not_found", f"no key '{key_id}'", param="key_id")
+        raise APIError("key_not_found", f"no key '{key_id}'", param="key_id")
     log.info("key %s revoked", key_id)
     return Response(status_code=204)
 
@@ -215,7 +215,7 @@ async def all_usage(
         check_tenant_id(tenant, "tenant")
         shown = [t for t in tenants if t.id == tenant]
         if not shown:
-            raise APIError(404, "tenant_not_found", f"no tenant '{tenant}'", param="tenant")
+            raise APIError("tenant_not_found", f"no tenant '{tenant}'", param="tenant")
     now = usage.now_ms()
     rows = await asyncio.gather(
         *(usage.read_usage(store.redis, t, now, history=history) for t in shown)

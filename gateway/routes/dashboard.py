@@ -37,7 +37,7 @@ SECURITY_HEADERS: dict[str, str] = {
 
 def _static(name: str) -> Response:
     if name not in _FILES:
-        raise APIError(404, "not_found", "no such dashboard file")
+        raise APIError("not_found", "no such dashboard file")
     body = resources.files("gateway").joinpath("static", name).read_bytes()
     return Response(body, media_type=_FILES[name], headers=SECURITY_HEADERS)
 

@@ -1,4 +1,4 @@
-"""Liveness, readiness and the model list."""
+"""Liveness and readiness (the model list is ``gateway/routes/models.py``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import asyncio
 import orjson
 from fastapi import APIRouter, Response
 
-from gateway.auth import TenantDep
 from gateway.deps import ServicesDep
 
 router = APIRouter(tags=["health"])
@@ -35,9 +34,3 @@ async def readyz(svc: ServicesDep) -> Response:
         status_code=200 if ok else 503,
         media_type="application/json",
     )
-
-
-@router.get("/v1/models")
-async def models(tenant: TenantDep, svc: ServicesDep) -> Response:
-    r = await svc.engines.models()
-    return Response(r.body, status_code=r.status, media_type="application/json")

@@ -1,4 +1,4 @@
-"""``POST /v1/chat/completions`` and ``POST /v1/completions``.
+"""``POST /v1/chat/completions``, ``POST /v1/completions`` and ``POST /v1/responses``.
 
 The request path, top to bottom: auth (``auth.get_tenant``) -> scoping
 (``scoping.prescan``: ids, names, latch size) -> limits (one admit_request.lua call)
@@ -31,6 +31,7 @@ from gateway.proxy import Turn
 from gateway.scoping import Head, Prepared, prepare_inference, prescan, scrub
 from gateway.stream_meter import StreamMeter, prompt_estimate
 from gateway.upstream import EngineUnreachable, UpstreamBroken, UpstreamResponse, UpstreamStream
+from shared import engine_api
 from shared.engine_api import LATCH_HEADER
 from shared.errors import APIError, InvalidField
 from shared.jsondepth import check_json_depth
@@ -62,15 +63,43 @@ async def completions(request: Request) -> Response:
     return await proxy_inference(request, "/v1/completions")
 
 
+@router.post("/v1/responses")
+async def responses(request: Request) -> Response:
+    """The Responses API: the same auth, scoping, limits, accounting and ``steering`` /
+    ``conversation_id`` fields as chat. Conversation state lives in latches, not in
+    stored responses (see :func:`_responses_body`)."""
+    return await proxy_inference(request, engine_api.RESPONSES)
+
+
+#: Responses API fields that would reach state vLLM keeps per process, not per tenant.
+RESPONSES_UNSUPPORTED = ("previous_response_id", "background")
+
+
+def _responses_body(body: dict[str, Any]) -> None:
+    """vLLM's response store is one dict per engine process, shared by every tenant
+    and lost on restart: a ``previous_response_id`` could name another tenant's
+    response. So nothing is stored (``store`` is forced off) and the fields that need
+    the store are refused; ``conversation_id`` + a latch carry a conversation instead."""
+    for field in RESPONSES_UNSUPPORTED:
+        if body.get(field) not in (None, False):
+            raise InvalidField(
+                field,
+                f"'{field}' is not supported by this gateway; send the conversation's "
+                "input with each request (and 'conversation_id' to keep its steering)",
+                "unsupported_parameter",
+            )
+    body["store"] = False
+
+
 async def read_json_object(request: Request) -> dict[str, Any]:
     raw = await request.body()
     check_json_depth(raw)  # 1,000-deep JSON parses, then 500s in orjson.dumps
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise InvalidField("body", "The request body is not valid JSON.") from exc
+        raise InvalidField("body", "The request body is not valid JSON.", "invalid_json") from exc
     if not isinstance(body, dict):
-        raise InvalidField("body", "The request body must be a JSON object.")
+        raise InvalidField("body", "The request body must be a JSON object.", "invalid_json")
     return body
 
 
@@ -78,6 +107,10 @@ async def proxy_inference(request: Request, path: str) -> Response:
     tenant = await get_tenant(request)
     svc = get_services(request)
     body = await read_json_object(request)
+    is_responses = path == engine_api.RESPONSES
+    if is_responses:
+        _responses_body(body)
+    client_stream_options = "stream_options" in body
     head = prescan(body)  # ids validated in full; nothing proportional to vector data yet
     shape = svc.engines.shape()
     adm = await svc.limiter.admit(
@@ -92,6 +125,9 @@ async def proxy_inference(request: Request, path: str) -> Response:
     try:
         _check_names(head, adm)
         prep = await _prepare(body, head, tenant, shape, adm, request)
+        if is_responses and not client_stream_options:
+            # The Responses API has no stream_options: its final event carries usage.
+            body.pop("stream_options", None)
         if adm.evicted:  # the engines' copies are harmless (never bridged) but use memory
             svc.engines.forget_latches_soon(tenant.id, adm.evicted)
         turn = Turn(svc, adm, head, prep, body, path)
@@ -266,7 +302,7 @@ async def _open_stream(turn: Turn) -> tuple[Any, UpstreamStream, bytes]:
         except UpstreamBroken as exc:
             await cm.__aexit__(None, None, None)
             raise APIError(
-                502, "engine_unavailable", "The inference engine is unavailable."
+                "engine_unavailable", "The inference engine is unavailable."
             ) from exc
         await cm.__aexit__(None, None, None)
         if not await turn.handle_miss(up.status, data, attempt):
@@ -283,7 +319,7 @@ async def _stream(turn: Turn) -> Response:
             data = await up.read()
         except UpstreamBroken as exc:
             raise APIError(
-                502, "engine_unavailable", "The inference engine is unavailable."
+                "engine_unavailable", "The inference engine is unavailable."
             ) from exc
         finally:
             await cm.__aexit__(None, None, None)
@@ -331,7 +367,7 @@ async def _stream(turn: Turn) -> Response:
             seen["status"] = 200
         except UpstreamBroken:
             seen["status"] = 502
-            err = APIError(502, "engine_unavailable", "The inference engine failed mid-stream.")
+            err = APIError("engine_unavailable", "The inference engine failed mid-stream.")
             yield b"data: " + orjson.dumps(err.body()) + b"\n\n"
         finally:
             await finish()
@@ -353,9 +389,12 @@ def _relay_event(
     """One SSE event out (or None to drop it); what it reports goes to ``meter``."""
     if marker in event:
         event = event.replace(marker, b"")
-    if event.startswith(b"data: {"):
+    # Chat and completions events are one ``data:`` line; the Responses API's start
+    # with an ``event:`` line.
+    data_at = 0 if event.startswith(b"data: {") else event.find(b"\ndata: {") + 1
+    if event.startswith(b"data: {") or data_at > 0:
         try:
-            doc = orjson.loads(event[6:])
+            doc = orjson.loads(event[data_at + 6 :])
         except orjson.JSONDecodeError:
             doc = None
         meter.observe(doc)

@@ -46,7 +46,6 @@ async def delete_latch(conversation_id: str, tenant: TenantDep, svc: ServicesDep
         )
     if not removed:
         raise APIError(
-            404,
             "latch_not_found",
             f"No latch for conversation '{conversation_id}'.",
             param="conversation_id",

@@ -41,7 +41,7 @@ def _json(doc: Any, status: int = 200) -> Response:
 
 
 def _not_found(name: str) -> APIError:
-    return APIError(404, "vector_not_found", f"No vector named '{name}'.", param="name")
+    return APIError("vector_not_found", f"No vector named '{name}'.", param="name")
 
 
 @router.put("/v1/steering/vectors/{name}")
@@ -99,7 +99,6 @@ async def _put_vector(
         )
     if int(status):
         raise APIError(
-            429,
             "vector_quota_exceeded",
             f"Storing this vector would exceed the tenant's vector quota "
             f"({lim.vector_count} vectors, {lim.vector_bytes} bytes).",

@@ -150,6 +150,11 @@ def test_microbatching_refuses_to_start() -> None:
         runner.attach(fake_v1_runner(ubatch_size=2), contract.V1_RUNNER_ATTRS)
 
 
+def test_prefill_context_parallelism_refuses_to_start() -> None:
+    with pytest.raises(ContractError, match="prefill context parallelism is on"):
+        runner.attach(fake_v1_runner(prefill_context_parallel_size=2), contract.V1_RUNNER_ATTRS)
+
+
 def test_a_missing_instance_attribute_refuses_to_start() -> None:
     r = fake_v1_runner()
     del r.input_batch.num_prompt_tokens

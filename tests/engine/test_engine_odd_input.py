@@ -28,7 +28,8 @@ async def engine() -> AsyncIterator[tuple[httpx.AsyncClient, list[dict[str, Any]
 def error(r: httpx.Response) -> dict[str, Any]:
     assert r.status_code == 400, r.text
     body = r.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code", "request_id"}
     return dict(body["error"])
 
 

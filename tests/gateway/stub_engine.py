@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from argparse import Namespace
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
@@ -33,6 +34,7 @@ from engine.payload import XARGS_KEY, decode_payload
 from shared import engine_api
 from shared.settings import EngineSettings
 from shared.steering import ModelShape
+from tests.gateway import stub_vllm
 
 HIDDEN, LAYERS = 8, 4
 SHAPE = ModelShape(HIDDEN, LAYERS)
@@ -78,6 +80,9 @@ class StubEngine:
         #: The same requests as vLLM would have received them (after the rewrite).
         self.seen: list[dict[str, Any]] = []
         self.delay_s = 0.0
+        #: The ``x-request-id`` of every request that reached the engine, in order.
+        self.request_ids: list[str | None] = []
+        self.started = False
         self.app = self._build()
 
     # -- what tests look at ---------------------------------------------------------
@@ -122,36 +127,53 @@ class StubEngine:
             if delay:
                 await asyncio.sleep(delay)
             chat = request.url.path.endswith("chat/completions")
+            refused = stub_vllm.error_for(body)
+            if refused is not None:
+                return refused
+            if body.get("fake_raise"):  # a bug in the engine: nothing handles it
+                raise RuntimeError("stub engine bug")
+            logging.getLogger("steergate.stub").info("serving %s", request.url.path)
             text = answer_for(body)
             if not body.get("stream"):
                 return JSONResponse(_completion(body, chat, text))
             return StreamingResponse(_events(body, chat, text), media_type="text/event-stream")
 
         async def models(request: Request) -> Any:
-            return JSONResponse({"object": "list", "data": [{"id": "stub", "object": "model"}]})
+            return JSONResponse(stub_vllm.model_list())
 
         app.post(engine_api.CHAT_COMPLETIONS)(completion)
         app.post(engine_api.COMPLETIONS)(completion)
         app.get(engine_api.MODELS)(models)
+        stub_vllm.install(app, self.seen, answer_for)
         self.plugin.attach_router(app)
 
         @app.on_event("startup")
         async def _start() -> None:
-            await stub.plugin.init_state(
-                _ENGINE_CLIENT, app.state, Namespace(model="stub", served_model_name=None)
-            )
+            # Served again after stop(): the same process back from an outage keeps its
+            # state (use restart() for a process restart).
+            if not stub.started:
+                stub.started = True
+                await stub.plugin.init_state(
+                    _ENGINE_CLIENT, app.state, Namespace(model="stub", served_model_name=None)
+                )
 
-        return _Recorder(app, self.requests)
+        return _Recorder(app, self.requests, self.request_ids)
 
 
 class _Recorder:
     """Outermost ASGI layer: keeps what the gateway sent to the inference routes."""
 
-    def __init__(self, app: Any, requests: list[dict[str, Any]]) -> None:
+    def __init__(
+        self, app: Any, requests: list[dict[str, Any]], request_ids: list[str | None]
+    ) -> None:
         self.app = app
         self.requests = requests
+        self.request_ids = request_ids
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            ids = [v.decode() for k, v in scope.get("headers", []) if k == b"x-request-id"]
+            self.request_ids.append(ids[0] if ids else None)
         if scope["type"] != "http" or scope["path"] not in engine_api.STEERED_PATHS:
             await self.app(scope, receive, send)
             return
@@ -217,6 +239,9 @@ async def _events(body: dict[str, Any], chat: bool, text: str) -> AsyncIterator[
         await asyncio.sleep(0.001 if n_chunks else 0.01)
         if body.get("fake_break") and i == 0:
             raise RuntimeError("engine died mid-stream")
+        if body.get("fake_stream_error") and i == 0:
+            yield stub_vllm.stream_error_event()  # vLLM's own words for a failure
+            break
     if (body.get("stream_options") or {}).get("include_usage"):
         final = {
             "id": "c",

@@ -3,6 +3,8 @@
 # ruff: noqa: F811 - pytest fixtures are imported, then named as parameters
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
 import pytest
 import redis
@@ -26,7 +28,8 @@ ADMIN_ROUTES = [
 
 def _error(r: httpx.Response) -> dict:
     body = r.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code", "request_id"}
     assert isinstance(body["error"]["code"], str)
     return body["error"]
 
@@ -108,8 +111,27 @@ def test_duplicate_tenant_is_409(ops: Ops) -> None:
     assert r.status_code == 409 and _error(r)["code"] == "tenant_exists"
 
 
-def test_overcommit_is_409_unless_allowed_and_is_shown_in_capacity(ops: Ops) -> None:
-    # The fake engine's caps: 1024 latches, 256 MiB. Two tenants of 600 latches overcommit.
+def test_overcommit_is_a_warning_by_default_shown_in_capacity(ops: Ops) -> None:
+    # The stub engine's caps: 1024 latches, 256 MiB. Two tenants of 600 latches overcommit;
+    # engines are caches, so that costs restores, not latches: allowed, and shown.
+    for tenant in ("a", "b"):
+        r = ops.admin(
+            "POST", "/admin/tenants", json={"id": tenant, "limits": {"latch_count": 600}}
+        )
+        assert r.status_code == 201
+    capacity = ops.admin("GET", "/admin/usage").json()["capacity"]
+    assert capacity["latch_count"]["allocated"] == 1200
+    assert capacity["latch_count"]["overcommitted"] is True
+
+
+def test_overcommit_is_409_unless_allowed_when_refused(start_gateway: Any) -> None:
+    ops = Ops(start_gateway(refuse_overcommit=True), None, "")  # type: ignore[arg-type]
+    ops.wait_for(
+        lambda: ops.admin("GET", "/admin/usage").json()["capacity"]["latch_count"][
+            "engine_cap_source"
+        ]
+        == "engines"
+    )
     assert (
         ops.admin(
             "POST", "/admin/tenants", json={"id": "a", "limits": {"latch_count": 600}}

@@ -1,5 +1,5 @@
 """Quota races and engine faults proven against the real vLLM CPU engine (the same
-behaviour the fake-engine tests check in milliseconds)."""
+behaviour the stub-engine tests check in milliseconds)."""
 
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def test_200_concurrent_latching_requests_leave_at_most_quota_latches(
         )
 
 
-def test_engine_stop_is_502_and_restart_reconciles_latch_accounting(
+def test_engine_stop_is_502_and_after_a_restart_the_latch_is_restored(
     real_gateway: ServerThread, engine: EngineProcess, redis_url: str
 ) -> None:
     key = make_tenant(redis_url, "restart")
@@ -121,10 +121,12 @@ def test_engine_stop_is_502_and_restart_reconciles_latch_accounting(
     finally:
         engine.start()
 
-    # the new engine has a new epoch and no latches: the gateway's poll notices and
-    # drops the tenant's ledger entries, so quota is not held by latches that are gone
-    _wait(lambda: store.zcard("sg:{t:restart}:latches") == 0, 30, "ledger not reconciled")
-    assert int(store.get("sg:{t:restart}:latch:bytes") or 0) == 0
+    # Redis is the system of record: the restarted engine (new epoch, empty cache) does
+    # not shrink the ledger; the next plain turn installs the latch again.
+    time.sleep(2.0)
+    assert store.zcard("sg:{t:restart}:latches") == 1
     plain = {k: v for k, v in body.items() if k != "steering"}
     r = httpx.post(url, headers=auth, json=plain, timeout=120)
-    assert r.status_code == 200 and r.headers["x-steering-latch"] == "none"
+    assert r.status_code == 200 and r.headers["x-steering-latch"] == "restored"
+    r = httpx.post(url, headers=auth, json=plain, timeout=120)
+    assert r.status_code == 200 and r.headers["x-steering-latch"] == "bridged"

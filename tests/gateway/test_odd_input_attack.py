@@ -37,7 +37,8 @@ def inline(layers: dict[str, Any] | None = None, **term: Any) -> dict[str, Any]:
 def error(r: httpx.Response, status: int = 400) -> dict[str, Any]:
     assert r.status_code == status, r.text
     body = r.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code", "request_id"}
     assert body["error"]["type"] == "invalid_request_error"
     return dict(body["error"])
 

@@ -49,7 +49,7 @@ def _assert_openai_413(status: int, headers: dict[str, str], body: bytes) -> Non
     assert headers["connection"] == "close"
     error = orjson.loads(body)["error"]
     assert error["code"] == "request_too_large" and error["type"] == "invalid_request_error"
-    assert set(error) == {"message", "type", "param", "code"}
+    assert set(error) == {"message", "type", "param", "code", "request_id"}
 
 
 def test_9_mib_body_written_before_reading_gets_a_complete_413(

@@ -264,13 +264,14 @@ def test_200_concurrent_latches_with_quota_10_leave_at_most_10(
     states = {r.headers["x-steering-latch"] for r in rs}
     assert "evicted_quota" in states
     client = redis.Redis.from_url(redis_url, decode_responses=True)
-    deadline = time.monotonic() + 5  # settlement (and its orphan deletes) is asynchronous
-    while True:
-        in_redis = client.zcard("sg:{t:acme}:latches")
-        on_engine = [c for c in fake_engine.state.latches if c.startswith("acme~")]
-        if (in_redis <= 10 and len(on_engine) <= 10) or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+    svc = gateway.app.state.services
+    gateway.call(svc.settler.drain())
+    # A latch the engine stored after the quota evicted it is never bridged (Redis does
+    # not expect it); the engine sync deletes it (periodically; here, at once).
+    (engine,) = svc.engines.engines
+    assert gateway.call(svc.sync.sync(engine)) is True
+    in_redis = client.zcard("sg:{t:acme}:latches")
+    on_engine = [c for c in fake_engine.state.latches if c.startswith("acme~")]
     assert in_redis <= 10 and len(on_engine) <= 10, (in_redis, len(on_engine))
     assert set(on_engine) <= {f"acme~{c}" for c in client.zrange("sg:{t:acme}:latches", 0, -1)}
     assert int(client.get("sg:{t:acme}:latch:bytes")) == 32 * in_redis
@@ -285,7 +286,8 @@ def test_reject_policy_answers_429_latch_quota_exceeded(
     )
     r = post(gateway, key, chat_body(conversation_id="b", steering=inline(True)))
     assert r.status_code == 429 and r.json()["error"]["code"] == "latch_quota_exceeded"
-    assert int(r.headers["retry-after"]) >= 1
+    # Waiting cannot help: no Retry-After, and the SDKs are told not to retry.
+    assert "retry-after" not in r.headers and r.headers["x-should-retry"] == "false"
     # replacing its own latch does not count twice
     assert (
         post(gateway, key, chat_body(conversation_id="a", steering=inline(True))).status_code == 200
@@ -374,7 +376,7 @@ def test_redis_down_is_503_within_1s_then_recovers(
         for _ in range(3):
             t0 = time.monotonic()
             r = post(gateway, key, chat_body())
-            assert time.monotonic() - t0 < 1.0
+            assert time.monotonic() - t0 < DEFAULT_REDIS_TIMEOUT_S + 0.5
             assert r.status_code == 503 and r.json()["error"]["code"] == "store_unavailable"
     finally:
         redis_server.start()
@@ -503,7 +505,7 @@ def test_hung_redis_is_503_within_1s_then_recovers(
         for _ in range(2):
             t0 = time.monotonic()
             r = post(gateway, key, chat_body())
-            assert time.monotonic() - t0 < 1.0
+            assert time.monotonic() - t0 < DEFAULT_REDIS_TIMEOUT_S + 0.5
             assert r.status_code == 503 and r.json()["error"]["code"] == "store_unavailable"
     finally:
         os.kill(redis_server.proc.pid, signal.SIGCONT)

@@ -68,9 +68,20 @@ async def test_duplicate_tenant_is_409_and_bad_id_is_400(store: TenantStore) -> 
     assert e.value.status == 400
 
 
-async def test_overcommit_is_409_unless_allowed(redis_url: str) -> None:
+async def test_overcommit_is_allowed_by_default(redis_url: str) -> None:
     client = aioredis.Redis.from_url(redis_url, decode_responses=True)
     store = TenantStore(client, PEPPER, engine_caps=lambda: (20, 10_000))
+    await store.create("a", limits={"latch_count": 100, "latch_bytes": 50_000})
+    await store.create("b", limits={"latch_count": 100})
+    assert [t.id for t in await store.list()] == ["a", "b"]
+    await client.aclose()
+
+
+async def test_refuse_overcommit_is_409_unless_allowed(redis_url: str) -> None:
+    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    store = TenantStore(
+        client, PEPPER, engine_caps=lambda: (20, 10_000), refuse_overcommit=True
+    )
     await store.create("a", limits={"latch_count": 10, "latch_bytes": 5000})
     await store.create("b", limits={"latch_count": 10, "latch_bytes": 5000})
     with pytest.raises(APIError) as e:

@@ -1,0 +1,169 @@
+"""The engine as a cache of the gateway's Redis (``steergate_expect``): an engine that
+lacks what the system of record holds says so (409, before anything changes or is
+generated) instead of serving an unsteered or stale turn; a restore installs the
+gateway's copy of a latch and steers exactly like the turn that stored it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from engine.latch import Latch
+from shared.engine_api import EXPECT_FIELD
+from shared.latch_spec import LatchSpec, decode_spec
+from tests.engine.test_engine_http_unit import (
+    AUTH,
+    HIDDEN,
+    chat,
+    env,  # noqa: F401 - the fixture
+    inline,
+    payload_of,
+    vec,
+)
+
+
+async def post(client: Any, **extra: Any) -> Any:
+    return await client.post("/v1/chat/completions", json=chat(**extra), headers=AUTH)
+
+
+async def put_vector(client: Any, name: str, value: float) -> str:
+    r = await client.put(
+        f"/v1/steering/vectors/{name}",
+        json={"hook": "post_block", "layers": {"1": vec(value)}},
+        headers=AUTH,
+    )
+    assert r.status_code in (200, 201), r.text
+    return str(r.json()["digest"])
+
+
+def spec_of(controller: Any, conv: str) -> str:
+    latch = controller.get(conv)
+    assert latch is not None
+    return latch.spec().encode()
+
+
+async def test_a_missing_latch_is_a_409_not_an_unsteered_turn(env) -> None:  # noqa: F811
+    client, seen, plugin = env
+    r = await post(client, conversation_id="t~c", **{EXPECT_FIELD: {"latch": "0" * 64}})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "latch_missing"
+    assert seen == []  # nothing generated
+
+
+async def test_a_latch_with_other_content_is_a_miss_too(env) -> None:  # noqa: F811
+    client, seen, plugin = env
+    r = await post(
+        client, conversation_id="t~c", steering={"vectors": [inline(value=0.5)], "latch": True}
+    )
+    assert r.status_code == 200
+    held = plugin.runtime.get().controller.get("t~c")
+    r = await post(client, conversation_id="t~c", **{EXPECT_FIELD: {"latch": "f" * 64}})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "latch_missing"
+    r = await post(client, conversation_id="t~c", **{EXPECT_FIELD: {"latch": held.digest}})
+    assert r.headers["x-steering-latch"] == "bridged"
+
+
+async def test_restore_steers_bit_identically_to_the_turn_that_stored_it(env) -> None:  # noqa: F811
+    client, seen, plugin = env
+    digest = await put_vector(client, "t~calm", 0.25)
+    steering = {"vectors": [inline(value=0.5, scale=2.0), {"name": "t~calm", "scale": 3.0}]}
+    r = await post(client, conversation_id="t~c", steering={**steering, "latch": True})
+    assert r.headers["x-steering-latch"] == "latched"
+    stored = payload_of(seen[-1])
+    controller = plugin.runtime.get().controller
+    spec = spec_of(controller, "t~c")
+    assert decode_spec(spec).digest == controller.get("t~c").digest
+    controller.delete("t~c")  # the engine lost it (cap eviction, restart)
+    expect = {"latch": decode_spec(spec).digest, "vectors": {}}
+    r = await post(client, conversation_id="t~c", **{EXPECT_FIELD: expect})
+    assert r.status_code == 409
+    r = await post(client, conversation_id="t~c", **{EXPECT_FIELD: {**expect, "restore": spec}})
+    assert r.status_code == 200 and r.headers["x-steering-latch"] == "restored"
+    assert r.json()["steering"] == {"applied": True, "latch": "restored"}
+    restored = payload_of(seen[-1])
+    assert restored.digest == stored.digest
+    assert all(np.array_equal(restored.sites[k], stored.sites[k]) for k in stored.sites)
+    # and the next turn is an ordinary bridge of the restored latch
+    r = await post(client, conversation_id="t~c", **{EXPECT_FIELD: expect})
+    assert r.headers["x-steering-latch"] == "bridged"
+    assert payload_of(seen[-1]).digest == stored.digest
+    assert digest
+
+
+async def test_restore_of_a_by_reference_latch_needs_its_vectors(env) -> None:  # noqa: F811
+    client, seen, plugin = env
+    digest = await put_vector(client, "t~calm", 0.25)
+    spec = LatchSpec("all", {}, (("t~gone", digest, 1.0),)).encode()
+    r = await post(client, conversation_id="t~c", **{EXPECT_FIELD: {"restore": spec}})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "vector_missing"
+    assert plugin.runtime.get().controller.get("t~c") is None and seen == []
+
+
+async def test_restore_against_changed_content_is_dropped_stale(env) -> None:  # noqa: F811
+    client, seen, plugin = env
+    old = await put_vector(client, "t~calm", 0.25)
+    await put_vector(client, "t~calm", 0.75)  # re-registered with other content
+    spec = LatchSpec("all", {}, (("t~calm", old, 1.0),)).encode()
+    r = await post(client, conversation_id="t~c", **{EXPECT_FIELD: {"restore": spec}})
+    assert r.status_code == 200 and r.headers["x-steering-latch"] == "dropped_stale"
+    assert "vllm_xargs" not in seen[-1] or "steergate" not in seen[-1]["vllm_xargs"]
+
+
+async def test_expected_vector_digest_mismatch_is_a_miss(env) -> None:  # noqa: F811
+    client, seen, plugin = env
+    await put_vector(client, "t~calm", 0.25)
+    expect = {"vectors": {"t~calm": "a" * 64}}
+    r = await post(client, steering={"vectors": [{"name": "t~calm"}]}, **{EXPECT_FIELD: expect})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "vector_missing" and seen == []
+    r = await post(
+        client,
+        steering={"vectors": [{"name": "t~new"}]},
+        **{EXPECT_FIELD: {"vectors": {"t~new": "b" * 64}}},
+    )
+    assert r.status_code == 409 and r.json()["error"]["code"] == "vector_missing"
+
+
+async def test_expecting_no_latch_drops_a_cached_copy(env) -> None:  # noqa: F811
+    client, seen, plugin = env
+    r = await post(client, conversation_id="t~c", steering={"vectors": [inline()], "latch": True})
+    assert r.headers["x-steering-latch"] == "latched"
+    r = await post(client, conversation_id="t~c", **{EXPECT_FIELD: {"latch": ""}})
+    assert r.headers["x-steering-latch"] == "none"
+    assert "steergate" not in (seen[-1].get("vllm_xargs") or {})
+    assert plugin.runtime.get().controller.get("t~c") is None
+
+
+async def test_bad_expectations_are_400s_naming_the_field(env) -> None:  # noqa: F811
+    client, seen, plugin = env
+    for bad, param in [
+        ("x", EXPECT_FIELD),
+        ({"other": 1}, EXPECT_FIELD),
+        ({"vectors": {"bad name\n": "d"}}, f"{EXPECT_FIELD}.vectors"),
+        ({"latch": 5}, f"{EXPECT_FIELD}.latch"),
+        ({"restore": "not json"}, f"{EXPECT_FIELD}.restore"),
+        (
+            {
+                "restore": LatchSpec(
+                    "all", {("post_block", 99): np.ones(HIDDEN, np.float32)}
+                ).encode()
+            },
+            f"{EXPECT_FIELD}.restore",
+        ),
+        (
+            {"restore": LatchSpec("all", {("post_block", 0): np.ones(3, np.float32)}).encode()},
+            f"{EXPECT_FIELD}.restore",
+        ),
+    ]:
+        r = await post(client, conversation_id="t~c", **{EXPECT_FIELD: bad})
+        assert r.status_code == 400, (bad, r.text)
+        assert r.json()["error"]["param"] == param
+    assert seen == []
+
+
+def test_latch_digest_is_the_spec_digest() -> None:
+    sites = {("post_block", 1): np.arange(HIDDEN, dtype=np.float32)}
+    spec = LatchSpec("decode", sites, (("t~v", "d" * 64, 0.5),))
+    latch = Latch.from_spec(decode_spec(spec.encode()))
+    assert latch.digest == spec.digest
+    assert decode_spec(spec.encode()).digest == spec.digest
+    assert LatchSpec("all", sites, spec.refs).digest != spec.digest  # phase is identity
