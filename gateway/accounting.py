@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import NoScriptError, ResponseError
 
 from gateway import keys
 from gateway.limits import Admission
@@ -164,11 +164,11 @@ class Leases:
                 [at, expiry, len(ids), *ids, *storing],
             )
             for lease_id, renewed in zip(ids, out, strict=True):
-                live = self._live.get(lease_id)
-                if live is None:  # settled meanwhile
+                held = self._live.get(lease_id)
+                if held is None:  # settled meanwhile
                     continue
                 if int(renewed):
-                    live.expiry_ms = expiry
+                    held.expiry_ms = expiry
                     self.renewals += 1
                 else:  # expired while Redis could not be reached: nothing left to renew
                     self._live.pop(lease_id)
@@ -182,7 +182,7 @@ class Leases:
                 if time.monotonic() - self._clock_read_at >= CLOCK_EVERY_S:
                     await self.read_clock()
                 await self.renew()
-            except (RedisError, OSError) as exc:  # the next tick retries
+            except Exception as exc:  # noqa: BLE001 - never let the heartbeat die; next tick
                 log.warning("lease heartbeat failed (%s)", type(exc).__name__)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), tick)
@@ -207,7 +207,7 @@ class Settler:
         flush_interval_s: float = 0.002,
         max_batch: int = 512,
         max_pending: int = 50_000,
-        max_backoff_s: float = 0.5,
+        max_backoff_s: float = 0.25,
     ) -> None:
         self.redis = redis
         self.scripts = scripts
@@ -220,6 +220,8 @@ class Settler:
         # create a task per wait, on every request at low concurrency.
         self._pending: collections.deque[_Item] = collections.deque()
         self._wake: asyncio.Future[None] | None = None
+        #: Cuts a retry back-off short once Redis is known to answer again.
+        self._nudge: asyncio.Future[None] | None = None
         self._idle = asyncio.Event()
         self._idle.set()
         #: Figures (tests, logs): settlements retried, given up (lease expired), shed.
@@ -277,6 +279,23 @@ class Settler:
     def pending(self) -> int:
         return len(self._pending)
 
+    def redis_answered(self) -> None:
+        """An admission just went through: retry what failed now, not after the back-off
+        (after a hang, every moment a lost lease is still held costs the tenant)."""
+        nudge = self._nudge
+        if nudge is not None and not nudge.done():
+            nudge.set_result(None)
+
+    async def _back_off(self, seconds: float) -> None:
+        loop = asyncio.get_running_loop()
+        nudge = self._nudge = loop.create_future()
+        timer = loop.call_later(seconds, _resolve, nudge)
+        try:
+            await nudge
+        finally:
+            timer.cancel()
+            self._nudge = None
+
     async def drain(self) -> None:
         """Wait until everything submitted so far is settled (tests, shutdown)."""
         while self._pending or not self._idle.is_set():
@@ -306,8 +325,9 @@ class Settler:
                 self._idle.set()
                 await self._wait_for_work(0.2)  # wakes on submit; sees ``stop`` within 0.2 s
                 continue
-            # let a batch gather; after a failure, back off (Redis is down or hung)
-            await asyncio.sleep(max(self.flush_interval_s, backoff))
+            if backoff:  # after a failure: Redis is down or hung
+                await self._back_off(backoff)
+            await asyncio.sleep(self.flush_interval_s)  # let a batch gather
             batch = [self._pending.popleft()]
             while self._pending and len(batch) < self.max_batch:
                 batch.append(self._pending.popleft())

@@ -30,6 +30,10 @@ from shared.steering import ModelShape
 
 log = logging.getLogger("steergate.gateway.engines")
 
+#: Background engine deletes queued at once; past it they are shed, never awaited on a
+#: request (the periodic engine sync removes what a shed delete would have).
+MAX_BACKGROUND = 1024
+
 
 class EngineClient:
     def __init__(self, pool: EnginePool, *, background_writes: int = 8) -> None:
@@ -104,6 +108,8 @@ class EngineClient:
         """Drop latches the tenant's quota evicted from every engine, in the background:
         never on a request's path or the settlement loop (an engine's copy is never
         bridged anyway, since Redis no longer expects it; this only frees its memory)."""
+        if len(self._background) >= MAX_BACKGROUND:
+            return  # shed: the engine sync deletes what these would have
         task = asyncio.create_task(self._forget(tenant_id, conversation_ids))
         self._background.add(task)
         task.add_done_callback(self._background.discard)

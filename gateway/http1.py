@@ -3,11 +3,10 @@
 Private to ``gateway/upstream.py`` (nothing else imports it): the engine API is a
 handful of JSON routes plus SSE, so this does only what that needs — keep-alive
 connection pools per origin with a cap on open connections, ``Content-Length``
-request bodies, responses with a
-length, chunked or close-delimited body, delivered whole or chunk by chunk with
-back-pressure, and connect / read timeouts. It exists because httpx costs several
-hundred microseconds of pure Python per request, which was most of the gateway's
-added latency (see docs/gateway.md, Performance).
+request bodies, responses with a length, chunked or close-delimited body, delivered
+whole or chunk by chunk with back-pressure, and connect / read timeouts. It exists
+because httpx costs several hundred microseconds of pure Python per request, which
+was most of the gateway's added latency (see docs/gateway.md, Performance).
 
 Errors: :class:`ConnectError` (could not connect, incl. connect timeout;
 :class:`PoolExhausted` when every connection the cap allows stayed busy that long),
@@ -120,10 +119,6 @@ class _Conn(asyncio.Protocol):
         self._reset()
 
     def _reset(self) -> None:
-        if self.paused and self.transport is not None:
-            # A body that ended while reading was paused, released unread: a paused
-            # connection would never see the next answer.
-            self.transport.resume_reading()
         self.status = 0
         self.headers: dict[str, str] = {}
         self.head_done: asyncio.Future[None] = self.loop.create_future()
@@ -389,10 +384,12 @@ class _Pool:
         self.waiters.append(fut)
         handle = self.loop.call_later(timeout_s, _expire, fut)
         try:
-            return await fut
-        except asyncio.TimeoutError:
-            raise PoolExhausted("engine connection pool exhausted") from None
-        except BaseException:
+            return await fut  # popped from the queue by whoever handed it over
+        except BaseException as exc:
+            if fut in self.waiters:  # a dead entry would make the next request queue
+                self.waiters.remove(fut)
+            if isinstance(exc, asyncio.TimeoutError):
+                raise PoolExhausted("engine connection pool exhausted") from None
             # Cancelled: a connection or slot handed over in the meantime goes back.
             if fut.done() and not fut.cancelled() and fut.exception() is None:
                 got = fut.result()
@@ -403,8 +400,6 @@ class _Pool:
             raise
         finally:
             handle.cancel()
-            if fut in self.waiters:
-                self.waiters.remove(fut)
 
     def _next_waiter(self) -> asyncio.Future[_Conn | None] | None:
         while self.waiters:
@@ -415,6 +410,11 @@ class _Pool:
 
     def release(self, conn: _Conn) -> None:
         """A connection whose answer was read in full and may be kept alive."""
+        if conn.paused and conn.transport is not None:
+            # Its body ended while reading was paused and was released unread: paused,
+            # it would see neither the engine's EOF while idle nor the next answer.
+            conn.paused = False
+            conn.transport.resume_reading()
         waiter = self._next_waiter()
         if waiter is not None:
             conn._reset()

@@ -33,7 +33,7 @@ CHARS_PER_TOKEN = 4
 LATE = 5
 #: Added to the Redis timeout for the deadline. An admission that runs inside the slack
 #: after its client gave up is released by its cancellation (``Settler.cancel``).
-DEADLINE_SLACK_S = 1.0
+DEADLINE_SLACK_S = 0.5
 
 _REJECTIONS = {
     1: (
@@ -168,6 +168,10 @@ class Limiter:
         #: abandoned (admit_request.lua, ARGV[17]); live ones are touched every TTL/2.
         self.pending_horizon_ms = 2 * self.lease_ttl_ms
 
+    @staticmethod
+    def new_lease_id() -> str:
+        return secrets.token_hex(8)
+
     async def admit(
         self,
         tenant: Tenant,
@@ -182,7 +186,7 @@ class Limiter:
         lim = tenant.limits
         now_ms = int(time.time() * 1000)
         minute = now_ms // 60000
-        lease_id = secrets.token_hex(8)
+        lease_id = self.new_lease_id()
         cost = min(tokens, lim.tpm)
         expiry_ms = now_ms + self.lease_ttl_ms
         deadline = (
@@ -252,6 +256,7 @@ class Limiter:
         )
         if self.settler is not None:
             self.settler.leases.hold(adm)
+            self.settler.redis_answered()
         return adm
 
 

@@ -123,6 +123,56 @@ RAW_BODIES: dict[tuple[str, str], dict[str, Any]] = {
             "properties": {**_INFERENCE_COMMON, "prompt": {"type": "string"}},
         }
     ),
+    ("post", "/v1/responses"): _json_body(
+        {
+            "type": "object",
+            "description": "The Responses API request, plus `conversation_id` and `steering` "
+            "(`previous_response_id` and `background` are refused; nothing is stored).",
+            "required": ["input"],
+            "properties": {
+                "model": {"type": "string"},
+                "input": {"type": "string"},
+                "instructions": {"type": "string"},
+                "max_output_tokens": {"type": "integer", "minimum": 1},
+                "stream": {"type": "boolean"},
+                "conversation_id": _CONVERSATION_ID,
+                "steering": _STEERING,
+            },
+        }
+    ),
+    ("post", "/v1/tokenize"): _json_body(
+        {
+            "type": "object",
+            "description": "vLLM's tokenize request: `prompt`, or chat `messages`.",
+            "oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}],
+            "properties": {
+                "model": {"type": "string"},
+                "prompt": {"type": "string"},
+                "messages": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["role", "content"],
+                        "properties": {
+                            "role": {"enum": ["system", "user", "assistant"]},
+                            "content": {"type": "string"},
+                        },
+                    },
+                },
+                "return_token_strs": {"type": "boolean"},
+            },
+        }
+    ),
+    ("post", "/v1/detokenize"): _json_body(
+        {
+            "type": "object",
+            "required": ["tokens"],
+            "properties": {
+                "model": {"type": "string"},
+                "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+            },
+        }
+    ),
     ("put", "/v1/steering/vectors/{name}"): _json_body(
         {
             "type": "object",

@@ -22,10 +22,15 @@ REQUIRED = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="steergate gateway")
-    parser.add_argument("--port", type=int, default=None)
-    parser.add_argument("--host", default=None)
-    parser.add_argument("--log-level", default="info")
+    parser = argparse.ArgumentParser(
+        prog="steergate gateway",
+        description="Serve the multi-tenant gateway. Configuration is read from the "
+        "environment (README.md, Configuration); the secrets STEERGATE_ADMIN_KEY, "
+        "STEERGATE_KEY_PEPPER and STEERGATE_ENGINE_TOKEN are required.",
+    )
+    parser.add_argument("--port", type=int, default=None, help="port (env STEERGATE_PORT)")
+    parser.add_argument("--host", default=None, help="bind address (env STEERGATE_HOST)")
+    parser.add_argument("--log-level", default="info", help="debug, info, warning, error")
     args = parser.parse_args(argv)
 
     from shared.settings import GatewaySettings

@@ -402,6 +402,12 @@ def quick_start(*, gateway_url: str, admin_key: str, demo: Demo, store: str, eng
         "",
         "Send it again without \"steering\" (same conversation_id): the latch steers it "
         "(x-steering-latch: bridged).",
+        "",
+        "To follow the README tour (and the CLI) in another shell, paste:",
+        "",
+        f"  export KEY={demo.tenant_key} STEERGATE_ADMIN_KEY={admin_key}",
+        f"  export STEERGATE_GATEWAY_URL={gateway_url}",
+        "",
         "Ctrl-C stops everything.",
         "",
     ])

@@ -107,6 +107,9 @@ def _unavailable(engine: Engine, exc: Exception) -> APIError:
         # Our bug, not the engine's: never mark it down for it, never show the target.
         log.error("refused to send an ill-formed request to %s", engine.url)
         return APIError("internal_error", "Internal error.")
+    if isinstance(exc, http1.PoolExhausted):
+        # Busy, not down: every connection to it is in use and none freed up in time.
+        return APIError("engine_overloaded", "The inference engine is busy; retry shortly.")
     if engine.healthy:
         log.warning("engine %s unavailable (%s)", engine.url, type(exc).__name__)
     engine.healthy = False

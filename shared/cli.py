@@ -15,9 +15,13 @@ commands:
   gateway [--port 8080]                                      the multi-tenant gateway
   up [--model PATH_OR_HF_ID]                                 engine + gateway + demo tenant
   tiny-model DIR                                             write a small random Llama
-  tenant create|list|show|update|delete ...                  admin: tenants
+  tenant create|list|show|update|delete ...                  admin: tenants (delete: --yes)
   key create|list|revoke ...                                 admin: API keys
   usage [TENANT]                                             admin: usage tables
+
+Every command takes --help (e.g. `steergate tenant create --help`). The admin
+commands need STEERGATE_ADMIN_KEY; --url or STEERGATE_GATEWAY_URL names the gateway;
+--json prints the API's JSON; tables are never cut when stdout is not a terminal.
 """
 
 COMMANDS: dict[str, str] = {

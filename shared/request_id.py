@@ -11,7 +11,8 @@ the gateway's log, the engine's log and vLLM's.
 the response. :func:`install_log_records` makes every log record created while a
 request is being served carry it: ``record.request_id`` and `` [request_id=...]``
 at the end of the message (vLLM's formatter is not ours, so the message is the one
-place every handler prints).
+place every handler prints; uvicorn's access line, which ignores the message, gets it
+after the client address).
 
 Deliberately free of imports from ``shared.errors`` / ``shared.asgi`` (which use
 :func:`current`), so there is no import cycle.
@@ -119,3 +120,24 @@ def install_log_records() -> None:
         return record
 
     logging.setLogRecordFactory(factory)
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, AccessLogRequestId) for f in access.filters):
+        access.addFilter(AccessLogRequestId())
+
+
+class AccessLogRequestId(logging.Filter):
+    """uvicorn's access formatter builds its line from ``record.args`` alone (the
+    message is ignored), so the id moves from the message into the client address:
+    ``127.0.0.1:5123 [request_id=req_...] - "POST /v1/responses HTTP/1.1" 200``."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        rid = getattr(record, "request_id", "-")
+        args = record.args
+        if rid == "-" or not (isinstance(args, tuple) and args and isinstance(args[0], str)):
+            return True
+        tag = f" [request_id={rid}]"
+        if isinstance(record.msg, str) and record.msg.endswith(tag):
+            record.msg = record.msg[: -len(tag)]
+        if not args[0].endswith(tag):
+            record.args = (args[0] + tag, *args[1:])
+        return True

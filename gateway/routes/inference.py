@@ -95,7 +95,13 @@ async def read_json_object(request: Request) -> dict[str, Any]:
     raw = await request.body()
     check_json_depth(raw)  # 1,000-deep JSON parses, then 500s in orjson.dumps
     try:
-        body = orjson.loads(raw)
+        # The only work before admission that grows with the body (bounded by the body
+        # limit): in a worker thread when large, so the event loop keeps serving others.
+        body = (
+            await asyncio.to_thread(orjson.loads, raw)
+            if len(raw) > OFF_LOOP_BYTES
+            else (orjson.loads(raw))
+        )
     except orjson.JSONDecodeError as exc:
         raise InvalidField("body", "The request body is not valid JSON.", "invalid_json") from exc
     if not isinstance(body, dict):
@@ -301,9 +307,7 @@ async def _open_stream(turn: Turn) -> tuple[Any, UpstreamStream, bytes]:
             data = await up.read()
         except UpstreamBroken as exc:
             await cm.__aexit__(None, None, None)
-            raise APIError(
-                "engine_unavailable", "The inference engine is unavailable."
-            ) from exc
+            raise APIError("engine_unavailable", "The inference engine is unavailable.") from exc
         await cm.__aexit__(None, None, None)
         if not await turn.handle_miss(up.status, data, attempt):
             return cm, _Replayed(up.status, up.headers, data), content
@@ -318,9 +322,7 @@ async def _stream(turn: Turn) -> Response:
         try:
             data = await up.read()
         except UpstreamBroken as exc:
-            raise APIError(
-                "engine_unavailable", "The inference engine is unavailable."
-            ) from exc
+            raise APIError("engine_unavailable", "The inference engine is unavailable.") from exc
         finally:
             await cm.__aexit__(None, None, None)
         _settle(svc, adm, up.status, 0, up.headers.get(LATCH_HEADER))

@@ -257,6 +257,7 @@ async def test_invalid_steering_is_400_naming_the_field(env, extra, param: str, 
             "type": "invalid_request_error",
             "param": param,
             "code": code,
+            "request_id": r.headers["x-request-id"],
         }
     }
     assert param in r.json()["error"]["message"]

@@ -205,10 +205,11 @@ def install(app: FastAPI, seen: list[dict[str, Any]], answer: Callable[[dict], s
 
     async def tokenize(request: Request) -> Any:
         body = await request.json()
-        if "prompt" in body:
-            text = str(body["prompt"])
-        elif isinstance(body.get("messages"), list):
-            text = " ".join(str(m.get("content", "")) for m in body["messages"])
+        messages = body.get("messages")
+        if isinstance(body.get("prompt"), str):
+            text = body["prompt"]
+        elif isinstance(messages, list) and all(isinstance(m, dict) for m in messages):
+            text = " ".join(str(m.get("content", "")) for m in messages)
         else:
             err = vllm_error("1 validation error:\n  prompt: Field required", 400, "Bad Request")
             err["error"]["param"] = "prompt"
@@ -228,7 +229,7 @@ def install(app: FastAPI, seen: list[dict[str, Any]], answer: Callable[[dict], s
         if not isinstance(tokens, list) or not all(isinstance(t, int) and t >= 0 for t in tokens):
             msg = "1 validation error:\n  tokens: Input should be a valid list"
             return JSONResponse(vllm_error(msg, 400, "Bad Request", "tokens"), 400)
-        return JSONResponse({"prompt": " ".join("x" * t for t in tokens)})
+        return JSONResponse({"prompt": " ".join(f"<{t}>" for t in tokens)})
 
     app.post(engine_api.RESPONSES)(responses)
     app.post(engine_api.TOKENIZE)(tokenize)

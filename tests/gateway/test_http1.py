@@ -279,6 +279,24 @@ async def test_a_body_that_ended_while_reading_was_paused_leaves_a_working_conne
             assert await fetch(c, origin) == b"ok"
             assert srv.connections == 1
 
+    async def then_close(srv: Server, reader: Reader, writer: Writer) -> None:
+        if srv.connections > 1:
+            return await answering(ok())(srv, reader, writer)
+        await srv.read_request(reader)
+        writer.write(ok(body))
+        await writer.drain()
+        writer.close()  # while the client's connection sits idle
+
+    async with serving(then_close) as (srv, origin):
+        async with client() as c:
+            r = await c.send("GET", origin, "/big")
+            while not r._conn.complete:
+                await asyncio.sleep(0.005)
+            await r.aclose()
+            await asyncio.sleep(0.05)  # the EOF is seen only if reading was resumed
+            assert await fetch(c, origin, "POST", "/p") == b"ok"
+            assert srv.count(b"POST /p ") == 1 and srv.connections == 2
+
 
 # -- what is sent again, and what never is ------------------------------------------
 

@@ -22,7 +22,7 @@ import openai
 import pytest
 
 from shared import errors
-from tests.gateway.conftest import ADMIN_KEY, FakeEngine, make_tenant
+from tests.gateway.conftest import ADMIN_KEY, ENGINE_TOKEN, FakeEngine, make_tenant
 from tests.gateway.servers import ServerThread
 from tests.gateway.stub_engine import HIDDEN
 
@@ -519,10 +519,33 @@ def test_tokenize_and_detokenize_are_served_and_metered(gateway: ServerThread, k
     assert "x-ratelimit-remaining-requests" in r.headers
     client, _ = sdk(gateway, key)
     out = client.post("/detokenize", body={"model": "stub", "tokens": [2, 1]}, cast_to=object)
-    assert out == {"prompt": "xx x"}
+    assert out == {"prompt": "<2> <1>"}
     chat = client.post("/tokenize", body={"messages": MSG}, cast_to=object)
     assert isinstance(chat, dict) and chat["count"] == 1
     deadline = time.monotonic() + 5
     while requests_made() < before + 3 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert requests_made() == before + 3
+
+
+def test_the_engine_itself_answers_in_the_openai_shape(fake_engine: FakeEngine) -> None:
+    """Direct to the engine (its plugin, not the gateway, does the rewriting)."""
+    url = fake_engine.url
+    auth = {"Authorization": f"Bearer {ENGINE_TOKEN}", "x-request-id": "engine-call-1"}
+    chat = f"{url}/v1/chat/completions"
+    r = httpx.post(chat, headers=auth, json={"messages": MSG, "max_tokens": -1})
+    assert assert_openai_error(r, 400, "invalid_request")["request_id"] == "engine-call-1"
+    r = httpx.post(chat, headers=auth, json={"model": "no-such-model", "messages": MSG})
+    assert_openai_error(r, 404, "model_not_found")
+    assert_openai_error(httpx.get(f"{url}/v1/nope", headers=auth), 404, "not_found")
+    r = httpx.post(chat, headers=auth, json={"messages": MSG, "fake_raise": True})
+    assert_openai_error(r, 500, "internal_error")
+    r = httpx.post(chat, json={"messages": MSG})
+    assert_openai_error(r, 401, "invalid_api_key")
+    r = httpx.post(f"{url}/v1/responses", headers=auth, json={"input": "hi"})
+    assert r.status_code == 200 and r.json()["steering"] == {"applied": False, "latch": "none"}
+    assert r.headers["x-request-id"] == "engine-call-1"
+    body = {"messages": MSG, "stream": True, "fake_chunks": 2, "fake_stream_error": True}
+    with httpx.stream("POST", chat, headers=auth, json=body) as s:
+        last = [line for line in s.iter_lines() if line.startswith("data: {")][-1]
+    assert json.loads(last[6:])["error"]["code"] == "internal_error"

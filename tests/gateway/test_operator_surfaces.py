@@ -32,7 +32,7 @@ def gw(start_gateway: Callable[..., ServerThread]) -> ServerThread:
 def is_auth_error(r: httpx.Response, status: int, code: str) -> bool:
     body = r.json()["error"]
     return r.status_code == status and body["code"] == code and set(body) == {
-        "message", "type", "param", "code"}
+        "message", "type", "param", "code", "request_id"}
 
 
 @pytest.mark.parametrize("path", ["/metrics", "/openapi.json"])
