@@ -105,6 +105,9 @@ _installed = False
 def install_log_records() -> None:
     """Make every log record created during a request carry its id (idempotent)."""
     global _installed
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, AccessLogRequestId) for f in access.filters):
+        access.addFilter(AccessLogRequestId())
     if _installed:
         return
     _installed = True
@@ -120,9 +123,6 @@ def install_log_records() -> None:
         return record
 
     logging.setLogRecordFactory(factory)
-    access = logging.getLogger("uvicorn.access")
-    if not any(isinstance(f, AccessLogRequestId) for f in access.filters):
-        access.addFilter(AccessLogRequestId())
 
 
 class AccessLogRequestId(logging.Filter):

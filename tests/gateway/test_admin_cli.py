@@ -123,11 +123,10 @@ def test_usage_tables_for_all_tenants_and_one(cli, ops: Ops) -> None:  # type: i
 
 
 def test_gateway_refusals_are_clear_errors_with_exit_1(cli, ops: Ops) -> None:  # type: ignore[no-untyped-def]
-    code, _, err = cli("tenant", "create", "acme", "--latch-count", "2000")
-    assert code == 1
-    assert "engine_overcommitted" in err and "field limits" in err
-    code, _, _ = cli("tenant", "create", "acme", "--latch-count", "2000", "--allow-overcommit")
-    assert code == 0
+    code, _, _ = cli("tenant", "create", "acme", "--latch-count", "2000")
+    assert code == 0  # overcommit is allowed by default (it costs restores, not latches)
+    code, _, err = cli("tenant", "create", "acme")
+    assert code == 1 and "tenant_exists" in err and "field id" in err
     code, _, err = cli("tenant", "create", "Bad_Id")
     assert code == 1 and "invalid_tenant_id" in err and "field id" in err
     code, _, err = cli("tenant", "show", "ghost")
