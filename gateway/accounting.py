@@ -32,7 +32,7 @@ from redis.exceptions import NoScriptError, ResponseError
 from gateway import keys
 from gateway.limits import Admission
 from gateway.scripts import Scripts, evalsha
-from gateway.store import Redis
+from gateway.store import Redis, is_cluster
 from shared.engine_api import DROP_STATES, KEEP_STATES
 
 log = logging.getLogger("steergate.gateway.accounting")
@@ -390,6 +390,12 @@ class Settler:
             calls.append((ks, args))
         if len(calls) == 1:  # the usual case at low load: a pipeline costs more than it saves
             return [await evalsha(script, *calls[0])]
+        if is_cluster(self.redis):
+            # A cluster pipeline refuses EVALSHA (redis-py cannot route it by slot), so
+            # on a cluster the batch is concurrent calls, each to its tenant's node.
+            return await asyncio.gather(
+                *(evalsha(script, ks, args) for ks, args in calls), return_exceptions=True
+            )
         results: list[Any] = [None] * len(calls)
         todo = list(range(len(calls)))
         for _ in range(2):

@@ -10,6 +10,7 @@ about a second instead of hanging a request.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -21,13 +22,18 @@ from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.errors import APIError
 
 log = logging.getLogger("steergate.gateway.store")
 
 Redis = Any  # redis.asyncio.Redis | RedisCluster | fakeredis.FakeAsyncRedis (same command API)
+
+#: What a store call raises when Redis is down, hung or electing: a cluster client
+#: raises RedisClusterException (not a RedisError) when no node is reachable.
+STORE_FAILURES = (RedisError, RedisClusterException, OSError)
 
 LUA_DIR = Path(__file__).resolve().parent / "lua"
 
@@ -59,10 +65,44 @@ def connect(url: str | None, timeout_s: float, health_check_interval_s: float = 
     }
     if url.startswith("redis+cluster://") or url.startswith("rediss+cluster://"):
         plain = url.replace("+cluster", "", 1)
-        return RedisCluster.from_url(plain, **common)
+        # No resend on a cluster: after a failed call the client reloads its slot map
+        # (asking each known node in turn), which already costs up to a timeout per
+        # unreachable node; a resend on top would double the time to the 503.
+        common["retry"] = Retry(NoBackoff(), 0)
+        cluster = BoundedRedisCluster.from_url(plain, **common)
+        cluster.bound_s = 1.5 * timeout_s
+        return cluster
     return aioredis.Redis.from_url(
         url, health_check_interval=health_check_interval_s, max_connections=256, **common
     )
+
+
+class BoundedRedisCluster(RedisCluster):
+    """A cluster client whose every command ends within ``bound_s``. A plain client
+    is bounded by its socket timeout; a cluster client that loses a node also reloads
+    its slot map, asking each known node in turn, so a hung cluster or an election
+    could hold a request for a timeout per node. Past the bound the call raises
+    redis' TimeoutError, which the request path answers as 503 store_unavailable."""
+
+    bound_s: float = 1.5
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await asyncio.wait_for(super().execute_command(*args, **kwargs), self.bound_s)
+        except asyncio.TimeoutError as exc:
+            raise RedisTimeoutError(f"cluster command over {self.bound_s:.1f} s") from exc
+        except (AttributeError, TypeError) as exc:
+            # A connection torn down under a command (a failover disconnects a dead
+            # node's connections while other calls use them) leaks from redis-py as a
+            # transport-internal error instead of ConnectionError (redis-py #4287):
+            # it is a connection failure, the next call reconnects.
+            raise RedisConnectionError(f"connection lost ({type(exc).__name__})") from exc
+
+
+def is_cluster(redis: Redis) -> bool:
+    """Whether ``redis`` is a Redis Cluster client (no multi-slot pipelines, sharded
+    pub/sub)."""
+    return isinstance(redis, RedisCluster)
 
 
 def lua_source(name: str) -> str:
@@ -81,6 +121,6 @@ async def store_errors() -> AsyncIterator[None]:
     """Turn any Redis failure into 503 store_unavailable (never a 500 or a hang)."""
     try:
         yield
-    except (RedisError, OSError) as exc:
+    except STORE_FAILURES as exc:
         log.warning("redis unavailable: %s", type(exc).__name__)
         raise store_unavailable() from exc

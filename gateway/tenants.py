@@ -29,7 +29,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
 from gateway import apikeys, keys
-from gateway.store import Redis, store_errors
+from gateway.store import Redis, is_cluster, store_errors
 from shared.errors import APIError
 from shared.scoping import check_tenant_id
 
@@ -340,8 +340,13 @@ class TenantStore:
         """Run until ``stop``: apply invalidation events; on every (re)subscribe clear
         the whole cache, since events published while disconnected are lost."""
         while not stop.is_set():
-            pubsub = self.redis.pubsub()
+            pubsub = None
             try:
+                if is_cluster(self.redis):
+                    # A cluster client routes SUBSCRIBE by the channel's slot, which
+                    # needs its slot map (loaded by its first command, or here).
+                    await self.redis.initialize()
+                pubsub = self.redis.pubsub()
                 await pubsub.subscribe(keys.EVENTS_CHANNEL)
                 self.cache.clear()
                 while not stop.is_set():
@@ -362,11 +367,15 @@ class TenantStore:
                 log.warning(
                     "auth invalidation subscription lost (%s); retrying", type(exc).__name__
                 )
+                if is_cluster(self.redis):  # the node may be gone: reload the slot map
+                    with contextlib.suppress(Exception):
+                        await self.redis.nodes_manager.initialize()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(stop.wait(), 0.25)
             finally:
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()
+                if pubsub is not None:
+                    with contextlib.suppress(Exception):
+                        await pubsub.aclose()
 
     # -- overcommit ----------------------------------------------------------------
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -45,6 +46,7 @@ class ClusterNode:
             "--cluster-config-file", str(self.dir / f"nodes-{self.port}.conf"),
             "--cluster-node-timeout", "1500",
             "--save", "", "--appendonly", "no", "--dir", str(self.dir),
+            "--logfile", str(self.dir / f"redis-{self.port}.log"),
         )  # fmt: skip
         if not wait_port(self.port, 10):
             raise RuntimeError(f"cluster node {self.port} did not start")
@@ -75,7 +77,21 @@ class RedisClusterProcess:
         alive = next(n for n in self.nodes if n.proc is not None)
         return f"redis+cluster://127.0.0.1:{alive.port}/0"
 
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        """A live node's process, or None when the cluster is stopped (the same
+        question ``RedisProcess.proc`` answers)."""
+        return next((n.proc for n in self.nodes if n.proc is not None), None)
+
     def start(self) -> RedisClusterProcess:
+        """Create the cluster; after ``stop()``, start the same nodes again (their
+        ``nodes.conf`` keeps the topology, as after a whole-cluster power cut)."""
+        if self.nodes:
+            for n in self.nodes:
+                if n.proc is None:
+                    n.start()
+            self.wait_ok()
+            return self
         self.nodes = [ClusterNode(free_port(), self.dir) for _ in range(self.primaries * 2)]
         for n in self.nodes:
             n.start()
@@ -85,7 +101,7 @@ class RedisClusterProcess:
             timeout=60,
         )  # fmt: skip
         if "[OK] All 16384 slots covered" not in out:
-            self.stop()
+            self.close()
             raise RuntimeError(f"redis-cli --cluster create failed: {out[-2000:]}")
         self.wait_ok()
         return self
@@ -95,7 +111,12 @@ class RedisClusterProcess:
         while time.monotonic() < deadline:
             live = [n for n in self.nodes if n.proc is not None]
             if all("cluster_state:ok" in _cli("-p", str(n.port), "cluster", "info") for n in live):
-                return
+                # A replica that has not finished its first sync cannot be promoted:
+                # wait for every replica's link too, or a failover test kills a
+                # primary whose replica never takes over.
+                infos = [n.info() for n in live]
+                if all(i.get("master_link_status", "up") == "up" for i in infos):
+                    return
             time.sleep(0.2)
         raise RuntimeError("cluster did not reach cluster_state:ok")
 
@@ -128,9 +149,24 @@ class RedisClusterProcess:
             if n.proc is not None and n.info().get("role") == "master":
                 _cli("-p", str(n.port), "flushall")
 
+    def pause(self) -> None:
+        """Hang every node (SIGSTOP): connections open, nothing answers."""
+        for n in self.nodes:
+            if n.proc is not None:
+                n.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        for n in self.nodes:
+            if n.proc is not None and n.proc.poll() is None:
+                n.proc.send_signal(signal.SIGCONT)
+
     def stop(self) -> None:
+        """Kill every node (SIGKILL); ``start()`` brings the same cluster back."""
         for n in self.nodes:
             n.kill()
+
+    def close(self) -> None:
+        self.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

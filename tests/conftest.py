@@ -5,12 +5,20 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import EngineProcess, RedisProcess, tiny_model_dir
+from tests.harness import CLUSTER, EngineProcess, RedisProcess, tiny_model_dir
 
 
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisProcess]:
-    """A real redis-server on a free loopback port, for the whole session."""
+    """A real redis-server on a free loopback port, for the whole session; with
+    ``STEERGATE_TEST_REDIS=cluster``, a 3-primary, 3-replica Redis Cluster instead."""
+    if CLUSTER:
+        from tests.cluster_harness import RedisClusterProcess
+
+        cluster = RedisClusterProcess().start()
+        yield cluster  # type: ignore[misc]
+        cluster.close()
+        return
     server = RedisProcess().start()
     yield server
     server.stop()

@@ -21,6 +21,32 @@ CACHE = Path(os.environ.get("STEERGATE_TEST_CACHE", ROOT / ".cache" / "tests"))
 ENGINE_TOKEN = "test-engine-token-0123456789abcdef"
 
 
+#: ``STEERGATE_TEST_REDIS=cluster`` runs the suite against a local Redis Cluster
+#: (``tests/cluster_harness.py``) instead of one redis-server.
+CLUSTER = os.environ.get("STEERGATE_TEST_REDIS", "") == "cluster"
+
+
+def redis_client(url: str, **kwargs: object):  # -> redis.Redis | redis.RedisCluster
+    """A synchronous client for a test's ``redis_url``: single server or cluster."""
+    import redis
+
+    kwargs.setdefault("decode_responses", True)
+    if "+cluster://" in url:
+        return redis.RedisCluster.from_url(url.replace("+cluster", "", 1), **kwargs)
+    return redis.Redis.from_url(url, **kwargs)
+
+
+def aredis_client(url: str, **kwargs: object):  # -> redis.asyncio.Redis | RedisCluster
+    """The asyncio twin of :func:`redis_client`."""
+    import redis.asyncio as aioredis
+    from redis.asyncio.cluster import RedisCluster
+
+    kwargs.setdefault("decode_responses", True)
+    if "+cluster://" in url:
+        return RedisCluster.from_url(url.replace("+cluster", "", 1), **kwargs)
+    return aioredis.Redis.from_url(url, **kwargs)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -12,13 +12,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-import redis.asyncio as aioredis
 
 from gateway.app import create_app
 from gateway.tenants import TenantStore
 from shared.settings import GatewaySettings
 from tests.gateway.servers import ServerThread
 from tests.gateway.stub_engine import StubEngine
+from tests.harness import aredis_client
 
 ENGINE_TOKEN = "fake-engine-token"
 PEPPER = "gateway-test-pepper"
@@ -96,7 +96,7 @@ def make_tenant(redis_url: str, tenant_id: str, **limits: Any) -> str:
     """Create a tenant with ``limits`` (overcommit allowed) and return a fresh key."""
 
     async def go() -> str:
-        client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+        client = aredis_client(redis_url)
         try:
             store = TenantStore(client, PEPPER)
             await store.create(tenant_id, limits=limits, allow_overcommit=True)

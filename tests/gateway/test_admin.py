@@ -7,10 +7,10 @@ from typing import Any
 
 import httpx
 import pytest
-import redis
 
 from gateway import keys
 from tests.gateway.ops_env import ADMIN, Ops, bearer, ops  # noqa: F401 - fixture
+from tests.harness import redis_client
 
 ADMIN_ROUTES = [
     ("POST", "/admin/tenants"),
@@ -246,7 +246,7 @@ def test_delete_tenant_clears_keys_latches_vectors_in_redis_and_on_the_engine(
     assert ops.get(key, "/v1/usage").status_code == 401
     assert not [c for c in ops.engine.latches if c.startswith("acme~")]
     assert not [n for n in ops.engine.vectors if n.startswith("acme~")]
-    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    client = redis_client(redis_url)
     assert client.keys(f"*{keys.tag('acme')}*") == []
     assert "acme" not in client.smembers(keys.TENANT_INDEX)
     # The other tenant is untouched.

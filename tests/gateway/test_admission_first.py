@@ -10,11 +10,11 @@ import time
 
 import httpx
 import orjson
-import redis
 
 from gateway import keys
 from tests.gateway.conftest import make_tenant
 from tests.gateway.servers import ServerThread
+from tests.harness import redis_client
 
 CHAT = "/v1/chat/completions"
 
@@ -77,7 +77,7 @@ def test_invalid_big_bodies_are_counted_first_and_do_not_stall_others(
     codes, latencies = asyncio.run(both())
     # the first four were admitted (then refused as invalid), the rest never got that far
     assert codes[:4] == [400] * 4 and codes[4:] == [429] * 8, codes
-    store = redis.Redis.from_url(redis_url, decode_responses=True)
+    store = redis_client(redis_url)
     usage = store.hgetall(keys.usage_total("attacker"))
     assert int(usage["requests"]) == 4 and int(usage["429"]) == 8
     # the victim was served throughout; no request of its waited behind a parse

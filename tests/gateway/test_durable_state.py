@@ -16,12 +16,12 @@ from typing import Any
 
 import httpx
 import pytest
-import redis
 
 from gateway import keys
 from shared.scoping import scope
 from tests.gateway.conftest import ADMIN_KEY, FakeEngine, make_tenant, start_stub_engine
 from tests.gateway.servers import ServerThread
+from tests.harness import redis_client
 
 CHAT = "/v1/chat/completions"
 FAST_POLL = {"reconcile_interval_s": 0.1, "engine_sync_interval_s": 3600.0}
@@ -118,7 +118,7 @@ def test_engine_restart_loses_nothing_a_tenant_stored(
         gw.url + "/v1/steering/vectors", headers={"Authorization": f"Bearer {key}"}
     ).json()["data"]
     assert [v["name"] for v in listed] == ["calm"]
-    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    client = redis_client(redis_url)
     assert client.zcard(keys.latches("acme")) == 2
 
 
@@ -167,7 +167,7 @@ def test_a_changed_vector_makes_its_by_reference_latch_stale_after_a_restart(
     fake_engine.state.restart()
     r = chat(gateway, key, conversation_id="c")
     assert r.headers["x-steering-latch"] == "dropped_stale" and text(r) == "echo"
-    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    client = redis_client(redis_url)
     wait_for(lambda: client.zcard(keys.latches("acme")) == 0)
 
 

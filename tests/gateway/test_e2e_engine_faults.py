@@ -9,12 +9,11 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-import redis
 
 from gateway.app import create_app
 from tests.gateway.conftest import gateway_settings, make_tenant
 from tests.gateway.servers import ServerThread
-from tests.harness import EngineProcess
+from tests.harness import EngineProcess, redis_client
 
 pytestmark = pytest.mark.engine
 
@@ -87,7 +86,7 @@ def test_200_concurrent_latching_requests_leave_at_most_quota_latches(
     assert [r.status_code for r in responses] == [200] * 200, {r.text for r in responses}
     states = {r.headers["x-steering-latch"] for r in responses}
     assert states <= {"latched", "evicted_quota"} and "evicted_quota" in states
-    store = redis.Redis.from_url(redis_url, decode_responses=True)
+    store = redis_client(redis_url)
     # settlement is asynchronous: wait for it to finish correcting the ledger
     _wait(lambda: len(_engine_latches(engine, "race")) <= 10, 10, "engine holds > 10 latches")
     in_redis = set(store.zrange("sg:{t:race}:latches", 0, -1))
@@ -110,7 +109,7 @@ def test_engine_stop_is_502_and_after_a_restart_the_latch_is_restored(
     body = _body(engine, "conv", latch=True)
     r = httpx.post(url, headers=auth, json=body, timeout=120)
     assert r.status_code == 200 and r.headers["x-steering-latch"] == "latched"
-    store = redis.Redis.from_url(redis_url, decode_responses=True)
+    store = redis_client(redis_url)
     _wait(lambda: store.zcard("sg:{t:restart}:latches") == 1, 5, "latch not recorded")
 
     engine.stop()

@@ -7,12 +7,12 @@ import time
 from typing import Any
 
 import httpx
-import redis
 
 from gateway.app import create_app
 from tests.gateway.conftest import FakeEngine, gateway_settings, make_tenant
 from tests.gateway.servers import ServerThread
 from tests.gateway.test_request_path import CHAT, chat_body, inline, post
+from tests.harness import redis_client
 
 
 def test_embedded_store_serves_requests_with_the_same_scripts(
@@ -50,7 +50,7 @@ def test_client_disconnect_mid_stream_releases_the_lease(
     ) as r:
         assert r.status_code == 200
         next(r.iter_raw())  # first chunk arrived; now hang up
-    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    client = redis_client(redis_url)
     deadline = time.monotonic() + 2
     while client.zcard("sg:{t:acme}:leases"):
         assert time.monotonic() < deadline, "lease not released after disconnect"

@@ -9,20 +9,20 @@ from typing import Any
 
 import httpx
 import orjson
-import redis
 
 from gateway import keys
 from gateway.routes.inference import _relay_event
 from gateway.stream_meter import StreamMeter, prompt_estimate
 from tests.gateway.conftest import make_tenant
 from tests.gateway.servers import ServerThread
+from tests.harness import redis_client
 
 CHAT = "/v1/chat/completions"
 
 
 def _charged(redis_url: str, tenant_id: str, at_least: int, timeout_s: float = 5.0) -> int:
     """The tenant's all-time token count, once settlement has reached ``at_least``."""
-    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    client = redis_client(redis_url)
     try:
         deadline = time.monotonic() + timeout_s
         while True:

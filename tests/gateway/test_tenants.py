@@ -6,11 +6,11 @@ import asyncio
 import time
 
 import pytest
-import redis.asyncio as aioredis
 
 from gateway import apikeys, keys
 from gateway.tenants import Limits, TenantStore
 from shared.errors import APIError
+from tests.harness import aredis_client
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -19,7 +19,7 @@ PEPPER = "test-pepper"
 
 @pytest.fixture()
 async def store(redis_url: str):
-    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    client = aredis_client(redis_url)
     yield TenantStore(client, PEPPER)
     await client.aclose()
 
@@ -69,7 +69,7 @@ async def test_duplicate_tenant_is_409_and_bad_id_is_400(store: TenantStore) -> 
 
 
 async def test_overcommit_is_allowed_by_default(redis_url: str) -> None:
-    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    client = aredis_client(redis_url)
     store = TenantStore(client, PEPPER, engine_caps=lambda: (20, 10_000))
     await store.create("a", limits={"latch_count": 100, "latch_bytes": 50_000})
     await store.create("b", limits={"latch_count": 100})
@@ -78,7 +78,7 @@ async def test_overcommit_is_allowed_by_default(redis_url: str) -> None:
 
 
 async def test_refuse_overcommit_is_409_unless_allowed(redis_url: str) -> None:
-    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    client = aredis_client(redis_url)
     store = TenantStore(
         client, PEPPER, engine_caps=lambda: (20, 10_000), refuse_overcommit=True
     )
@@ -107,7 +107,7 @@ async def test_update_merges_partial_limits_and_rejects_bad_values(store: Tenant
 
 
 async def test_delete_clears_every_tenant_key_and_calls_engine_cleanup(redis_url: str) -> None:
-    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    client = aredis_client(redis_url)
     seen: list[tuple[str, list[str], list[str]]] = []
 
     async def cleanup(tid: str, latches: list[str], vectors: list[str]) -> None:
@@ -130,8 +130,8 @@ async def test_delete_clears_every_tenant_key_and_calls_engine_cleanup(redis_url
 
 
 async def test_revocation_reaches_another_replicas_cache_within_1s(redis_url: str) -> None:
-    a = TenantStore(aioredis.Redis.from_url(redis_url, decode_responses=True), PEPPER)
-    b = TenantStore(aioredis.Redis.from_url(redis_url, decode_responses=True), PEPPER)
+    a = TenantStore(aredis_client(redis_url), PEPPER)
+    b = TenantStore(aredis_client(redis_url), PEPPER)
     stop = asyncio.Event()
     listener = asyncio.create_task(b.listen_for_invalidations(stop))
     await a.create("acme")

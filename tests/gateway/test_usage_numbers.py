@@ -6,20 +6,20 @@ from __future__ import annotations
 import time
 
 import pytest
-import redis.asyncio as aioredis
 
 from gateway import keys, usage
 from gateway.limits import Limiter
 from gateway.scripts import Scripts
 from gateway.tenants import TenantStore
 from shared.errors import APIError
+from tests.harness import aredis_client
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 
 @pytest.fixture()
 async def env(redis_url: str):
-    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    client = aredis_client(redis_url)
     store = TenantStore(client, "pepper")
     limiter = Limiter(Scripts.load(client), lease_ttl_s=60)
     yield store, limiter
