@@ -79,6 +79,50 @@ def latches(tenant_id: str) -> str:
     return _t(tenant_id, "latches")
 
 
+#: Daily and monthly rollups (billing) are kept this long: 400 days and a margin.
+USAGE_DAY_TTL_S = 401 * 86400
+#: Fields of a rollup hash (usage_day / usage_month): the tenant's totals, then the
+#: same per API key as ``k:<key_id>:<field>``.
+ROLLUP_FIELDS = (
+    "requests",  # settled requests (every status)
+    "prompt_tokens",
+    "completion_tokens",
+    "tokens",  # prompt + completion (what a token budget counts)
+    "2xx",
+    "4xx",
+    "5xx",
+    "429:rpm",  # refusals by cause: rpm, tpm, concurrency, latch, budget, key_rpm,
+    "429:tpm",  # key_concurrency (counted at admission)
+    "429:concurrency",
+    "429:latch",
+    "429:budget",
+    "429:key_rpm",
+    "429:key_concurrency",
+)
+
+
+def usage_day(tenant_id: str, day: int) -> str:
+    """Hash for one UTC day (unix seconds // 86400): ROLLUP_FIELDS, kept 400 days."""
+    return _t(tenant_id, f"usage:day:{day}")
+
+
+def usage_month(tenant_id: str, month: int) -> str:
+    """Hash for one UTC calendar month (year * 12 + month - 1): ROLLUP_FIELDS, tenant
+    totals only; what a ``"month"`` token budget reads."""
+    return _t(tenant_id, f"usage:month:{month}")
+
+
+def key_gcra(tenant_id: str, key_id: str) -> str:
+    """String: TAT (ms) of one API key's own requests/min GCRA (per-key ``rpm``)."""
+    return _t(tenant_id, f"key:{key_id}:gcra")
+
+
+def key_leases(tenant_id: str, key_id: str) -> str:
+    """ZSET lease_id -> expiry ms: one API key's in-flight requests (per-key
+    ``max_concurrency``)."""
+    return _t(tenant_id, f"key:{key_id}:leases")
+
+
 def latch_info(tenant_id: str) -> str:
     """Hash client conversation_id -> "<bytes>:<value|ref>[:<latch digest>]" (the digest
     is written once the engine has stored the latch, with its spec)."""

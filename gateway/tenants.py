@@ -56,6 +56,21 @@ class Limits(BaseModel):
     latch_policy: Literal["evict_oldest", "reject"] = Field(
         default="evict_oldest", description="Over the latch quota: evict own LRU latches, or 429."
     )
+    token_budget: TokenBudget | None = Field(
+        default=None,
+        description="Tokens (prompt + completion) per UTC day or month; past it, 429 "
+        "budget_exceeded until the period rolls over. None: no budget.",
+    )
+
+
+class TokenBudget(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tokens: int = Field(ge=1, le=_BIG, description="Tokens per period.")
+    period: Literal["day", "month"] = Field(description="UTC day or UTC calendar month.")
+
+
+Limits.model_rebuild()
 
 
 class Tenant(BaseModel):

@@ -108,6 +108,11 @@ _CODES = (
        "`background` on `/v1/responses` (use `conversation_id` and a latch instead)"),
     _e("invalid_api_key", 401, _N, _BOTH, "missing, unknown, malformed or revoked key (on the "
        "engine: missing or wrong engine token)"),
+    _e("expired_api_key", 401, _N, _GW,
+       "the key's `expires_at` has passed (refused on every replica within 1 s of it)"),
+    _e("insufficient_scope", 403, _N, _GW,
+       "the key's `scopes` do not include the route's scope (`inference`, `vectors`, "
+       "`latches`, `usage`)"),
     _e("permission_denied", 403, _N, _GW,
        "a tenant key on an `/admin/*` route, `/metrics` or `/openapi.json`"),
     _e("not_found", 404, _N, _BOTH, "no such route (`Invalid URL (METHOD /path)`), or a "
@@ -141,7 +146,11 @@ _CODES = (
        "model's context)"),
     _e("rate_limit_exceeded", 429, _A, _GW,
        "requests/min or tokens/min; the message says which, `Retry-After` when it will pass"),
-    _e("concurrency_limit_exceeded", 429, _B, _GW, "too many of the tenant's requests in flight"),
+    _e("concurrency_limit_exceeded", 429, _B, _GW,
+       "too many of the tenant's (or, with per-key `limits`, the key's) requests in flight"),
+    _e("budget_exceeded", 429, _N, _GW,
+       "the tenant's `limits.token_budget` for this day or month is spent; `Retry-After` says "
+       "when the period rolls over (UTC)"),
     _e("latch_quota_exceeded", 429, _N, _GW,
        "a new latch over quota under `latch_policy: reject`, or one latch larger than the "
        "tenant's whole `latch_bytes` quota (whatever the policy); delete latches to make room"),
