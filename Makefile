@@ -13,7 +13,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[gateway,engine-$(ENGINE),dev]'
+	$(PY) -m pip install -q -e '.[gateway,engine-$(ENGINE),dev,ray]'
 	# PyPI's torchvision/torchaudio/torchcodec do not match the CPU torch build
 	# and break `transformers` imports; steergate needs none of them.
 	-$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec

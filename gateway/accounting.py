@@ -24,6 +24,7 @@ import collections
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,11 +52,21 @@ CLOCK_EVERY_S = 60.0
 class Outcome:
     admission: Admission
     status: int  # HTTP status the client got (0: client went away before an answer)
-    tokens_used: int
+    tokens_used: int  # prompt + completion; -1: unknown (the reservation is charged)
     latch_state: str | None  # the engine's x-steering-latch, if any
     steered: bool = False  # the request carried its own ``steering``
     #: An admission whose answer never came (see ``Settler.cancel``).
     cancelled: bool = False
+    #: The prompt's share of ``tokens_used`` (the rest is completion). Where the engine
+    #: reported no usage, the charge is the reservation, billed as prompt tokens.
+    prompt_tokens: int = -1
+
+    def split(self) -> tuple[int, int]:
+        """(prompt, completion) tokens to bill."""
+        total = self.tokens_used if self.tokens_used >= 0 else self.admission.reserved_tokens
+        prompt = total if self.tokens_used < 0 or self.prompt_tokens < 0 else self.prompt_tokens
+        prompt = min(max(0, prompt), total)
+        return prompt, total - prompt
 
 
 def status_class(status: int) -> str:
@@ -229,7 +240,12 @@ class Settler:
         self.dropped = 0
         self.shed = 0
 
+    #: Called with every outcome submitted (the app's metrics: tokens by tenant).
+    on_outcome: Callable[[Outcome], None] | None = None
+
     def submit(self, outcome: Outcome) -> None:
+        if self.on_outcome is not None:
+            self.on_outcome(outcome)
         if outcome.admission.unmetered:
             return
         self._enqueue(_Item(outcome, self.leases.release(outcome.admission)))
@@ -373,7 +389,8 @@ class Settler:
         calls = []
         for o in batch:
             a = o.admission
-            ks = keys.admit_keys(a.tenant.id, now_ms // 60000)
+            ks = keys.admit_keys(a.tenant.id, now_ms // 60000, a.key_id)
+            prompt, completion = o.split()
             args = [
                 now_ms,
                 a.lease_id,
@@ -386,6 +403,10 @@ class Settler:
                 a.prev_latch,
                 keys.USAGE_MINUTE_TTL_S,
                 a.lease_expiry_ms if o.cancelled else 0,
+                prompt,
+                completion,
+                a.key_id,
+                keys.USAGE_DAY_TTL_S,
             ]
             calls.append((ks, args))
         if len(calls) == 1:  # the usual case at low load: a pipeline costs more than it saves

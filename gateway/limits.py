@@ -9,6 +9,7 @@ is full. Settlement later corrects the reservation to the engine's ``usage``.
 
 from __future__ import annotations
 
+import calendar
 import logging
 import math
 import secrets
@@ -50,7 +51,29 @@ _REJECTIONS = {
         "Storing this latch would exceed the tenant's latch quota; waiting does not help: "
         "delete a latch (DELETE /v1/steering/latches/{{conversation_id}}) to make room.",
     ),
+    6: (
+        "budget_exceeded",
+        "The tenant's token budget ({limit} tokens per {period}) is spent; it renews in "
+        "{retry} (UTC {period} start).",
+    ),
+    7: (
+        "rate_limit_exceeded",
+        "Rate limit reached for requests per minute of this API key ({limit}). Retry in {retry}.",
+    ),
+    8: (
+        "concurrency_limit_exceeded",
+        "Too many concurrent requests of this API key (limit {limit}).",
+    ),
 }
+
+
+def period_left_ms(now_ms: int, period: str) -> int:
+    """Milliseconds until the UTC day or calendar month after ``now_ms`` starts."""
+    if period == "day":
+        return 86_400_000 - now_ms % 86_400_000
+    t = time.gmtime(now_ms / 1000)
+    year, month = (t.tm_year + 1, 1) if t.tm_mon == 12 else (t.tm_year, t.tm_mon + 1)
+    return int(calendar.timegm((year, month, 1, 0, 0, 0)) * 1000) - now_ms
 
 
 @dataclass
@@ -72,6 +95,8 @@ class Admission:
     vector_digests: dict[str, str] = field(default_factory=dict)
     #: When the lease expires unless renewed (ms, this gateway's clock).
     lease_expiry_ms: int = 0
+    #: The API key that made the request ("" for none): its rollups and its own limits.
+    key_id: str = ""
 
     @property
     def latch_digest(self) -> str:
@@ -182,8 +207,16 @@ class Limiter:
         latch_bytes: int,
         latch_kind: str,
         vector_names: list[str] | None = None,
+        api_key: Any = None,
     ) -> Admission:
+        """``api_key``: the caller's key (``request.state.api_key``): its id, and its own
+        ``limits.rpm`` / ``limits.max_concurrency`` (None: the tenant's only)."""
         lim = tenant.limits
+        key_id = str(getattr(api_key, "key_id", "") or "")
+        key_limits = getattr(api_key, "limits", None)
+        key_rpm = int(getattr(key_limits, "rpm", None) or 0)
+        key_conc = int(getattr(key_limits, "max_concurrency", None) or 0)
+        budget = lim.token_budget
         now_ms = int(time.time() * 1000)
         minute = now_ms // 60000
         lease_id = self.new_lease_id()
@@ -212,18 +245,26 @@ class Limiter:
             keys.USAGE_MINUTE_TTL_S,
             deadline,
             self.pending_horizon_ms,
+            key_id,
+            key_rpm,
+            key_conc,
+            budget.tokens if budget else 0,
+            budget.period if budget else "day",
+            period_left_ms(now_ms, budget.period) if budget else 0,
+            keys.USAGE_DAY_TTL_S,
             len(vector_names or ()),
             *(vector_names or ()),
         ]
         try:
             async with store_errors():
                 r = await evalsha(
-                    self.scripts.admit_request, keys.admit_keys(tenant.id, minute), args
+                    self.scripts.admit_request, keys.admit_keys(tenant.id, minute, key_id), args
                 )
         except APIError:
             if self.settler is not None:  # it may still run (a hung Redis replays it)
                 lost = Admission(tenant, lease_id, minute, cost, None, False, "", [])
                 lost.lease_expiry_ms = expiry_ms
+                lost.key_id = key_id
                 self.settler.cancel(lost)
             if not self.fail_open:
                 raise
@@ -238,7 +279,7 @@ class Limiter:
         if status == LATE:  # only a retried send can see this: its client timed out
             raise store_unavailable()
         if status:
-            raise _rejection(status, tenant, int(r[1]), headers)
+            raise _rejection(status, tenant, int(r[1]), headers, key_rpm, key_conc)
         adm = Admission(
             tenant=tenant,
             lease_id=lease_id,
@@ -253,6 +294,7 @@ class Limiter:
                 n: str(d or "") for n, d in zip(names, r[7 : 7 + n_names], strict=True)
             },
             lease_expiry_ms=expiry_ms,
+            key_id=key_id,
         )
         if self.settler is not None:
             self.settler.leases.hold(adm)
@@ -260,7 +302,14 @@ class Limiter:
         return adm
 
 
-def _rejection(status: int, tenant: Tenant, retry_ms: int, headers: dict[str, str]) -> APIError:
+def _rejection(
+    status: int,
+    tenant: Tenant,
+    retry_ms: int,
+    headers: dict[str, str],
+    key_rpm: int = 0,
+    key_conc: int = 0,
+) -> APIError:
     """The 429 for an admission refusal. Only a rate limit (GCRA) knows when it will
     pass: it carries that exact time (``Retry-After`` / ``retry-after-ms``). The
     concurrency limit passes when a running request ends (unknown: the client backs
@@ -268,13 +317,23 @@ def _rejection(status: int, tenant: Tenant, retry_ms: int, headers: dict[str, st
     the registry in ``shared/errors.py`` sets those headers from the code."""
     code, template = _REJECTIONS[status]
     retry_ms = max(1, retry_ms)
-    limit = {1: tenant.limits.rpm, 2: tenant.limits.tpm, 3: tenant.limits.max_concurrency}.get(
-        status, 0
-    )
-    message = template.format(limit=limit, retry=duration(retry_ms))
+    lim = tenant.limits
+    budget = lim.token_budget
+    limit = {
+        1: lim.rpm,
+        2: lim.tpm,
+        3: lim.max_concurrency,
+        6: budget.tokens if budget else 0,
+        7: key_rpm,
+        8: key_conc,
+    }.get(status, 0)
+    period = budget.period if budget else "day"
+    message = template.format(limit=limit, retry=duration(retry_ms), period=period)
     return APIError(
         code,
         message,
         headers=headers,
-        retry_after_ms=retry_ms if status in (1, 2) else None,
+        # A budget passes when its period rolls over: Retry-After says when, though
+        # x-should-retry is false (the registry's: retrying sooner cannot help).
+        retry_after_ms=retry_ms if status in (1, 2, 6, 7) else None,
     )

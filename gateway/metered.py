@@ -6,6 +6,7 @@ is metered."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from gateway.accounting import Outcome
 from gateway.deps import Services
@@ -15,11 +16,21 @@ from shared.errors import APIError
 
 
 async def metered_call(
-    svc: Services, tenant: Tenant, call: Callable[[], Awaitable[UpstreamResponse]]
+    svc: Services,
+    tenant: Tenant,
+    call: Callable[[], Awaitable[UpstreamResponse]],
+    api_key: Any = None,
 ) -> tuple[UpstreamResponse, dict[str, str]]:
-    """``call()``'s answer and the rate-limit headers to send with it."""
+    """``call()``'s answer and the rate-limit headers to send with it (``api_key``: the
+    caller's, whose own limits apply too)."""
     adm = await svc.limiter.admit(
-        tenant, tokens=0, conversation_id=None, latch=False, latch_bytes=0, latch_kind="ref"
+        tenant,
+        tokens=0,
+        conversation_id=None,
+        latch=False,
+        latch_bytes=0,
+        latch_kind="ref",
+        api_key=api_key,
     )
     status = 0
     try:

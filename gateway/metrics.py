@@ -35,6 +35,9 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 #: LLM requests take from milliseconds (errors, cache hits) to minutes (long streams).
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
+#: Time to first token: from tens of milliseconds (a warm engine) to tens of seconds.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
 #: Quota names, shared with ``/v1/usage`` (``quotas.<name>``) and the dashboard.
 QUOTA_NAMES = (
     "requests_per_minute",
@@ -217,6 +220,25 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.prompt_tokens = Counter(
+            "steergate_prompt_tokens",
+            "Prompt tokens billed, by tenant (settled requests; see docs/api.md usage export).",
+            ["tenant"],
+            registry=self.registry,
+        )
+        self.completion_tokens = Counter(
+            "steergate_completion_tokens",
+            "Completion tokens billed, by tenant.",
+            ["tenant"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "steergate_time_to_first_token_seconds",
+            "Streams: time from request received to the first event relayed to the client.",
+            ["tenant", "route"],
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
         self._state = _SnapshotCollector()
         self.registry.register(self._state)
         # Label tuples seen per tenant, so a deleted tenant's series can be removed.
@@ -237,6 +259,21 @@ class Metrics:
         self._child("requests", (tenant_id, route, str(status))).inc()
         if seconds is not None:
             self._child("latency", (tenant_id, route)).observe(max(0.0, seconds))
+
+    def observe_first_token(self, tenant_id: str, route: str, seconds: float) -> None:
+        """A stream's first relayed event, ``seconds`` after its request arrived."""
+        self._child("ttft", (tenant_id, route)).observe(max(0.0, seconds))
+
+    def observe_outcome(self, outcome: Any) -> None:
+        """A settled request (``accounting.Outcome``): its prompt and completion tokens."""
+        if outcome.cancelled:
+            return
+        prompt, completion = outcome.split()
+        tenant_id = outcome.admission.tenant.id
+        if prompt:
+            self._child("prompt_tokens", (tenant_id,)).inc(prompt)
+        if completion:
+            self._child("completion_tokens", (tenant_id,)).inc(completion)
 
     def observe_rejection(self, tenant_id: str, cause: str) -> None:
         """One 429; ``cause`` is its error code (``rate_limit_exceeded``, ...)."""

@@ -50,17 +50,29 @@ class MetricsMiddleware:
         latch_state: str | None = None
         body_429 = bytearray()
         finished = False
+        stream = False  # an SSE answer: its first event's time is the TTFT
 
         async def observing_send(message: Message) -> None:
-            nonlocal status, latch_state, finished
+            nonlocal status, latch_state, finished, stream
             if message["type"] == "http.response.start":
                 status = int(message["status"])
                 for name, value in message.get("headers", []):
-                    if name.lower() == b"x-steering-latch":
+                    low = name.lower()
+                    if low == b"x-steering-latch":
                         latch_state = value.decode("latin-1")
+                    elif low == b"content-type" and value.startswith(b"text/event-stream"):
+                        stream = True
             elif message["type"] == "http.response.body":
                 if status == 429 and len(body_429) < 4096:
                     body_429.extend(message.get("body", b""))
+                if stream and message.get("body"):
+                    stream = False  # only the first event
+                    tenant_id = (scope.get("state") or {}).get("tenant_id")
+                    if tenant_id:
+                        route = getattr(scope.get("route"), "path", None) or "unmatched"
+                        self.metrics.observe_first_token(
+                            str(tenant_id), route, time.perf_counter() - started
+                        )
                 finished = not message.get("more_body", False)
             await send(message)
 

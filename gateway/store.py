@@ -85,9 +85,24 @@ class BoundedRedisCluster(RedisCluster):
     redis' TimeoutError, which the request path answers as 503 store_unavailable."""
 
     bound_s: float = 1.5
+    _ready: bool = False
+    _first_use: asyncio.Lock | None = None
+
+    async def _initialize_once(self) -> None:
+        """Concurrent first commands on a fresh cluster client race in redis-py (each
+        starts loading the slot map and opening connections; some fail with a
+        ConnectionError): the first one loads it while the others wait."""
+        if self._first_use is None:
+            self._first_use = asyncio.Lock()
+        async with self._first_use:
+            if not self._ready:
+                await self.initialize()
+                self._ready = True
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         try:
+            if not self._ready:
+                await asyncio.wait_for(self._initialize_once(), self.bound_s)
             return await asyncio.wait_for(super().execute_command(*args, **kwargs), self.bound_s)
         except asyncio.TimeoutError as exc:
             raise RedisTimeoutError(f"cluster command over {self.bound_s:.1f} s") from exc

@@ -50,6 +50,7 @@ class StreamMeter:
         if not choices:
             if usage is not None and _int(usage.get("total_tokens")) >= 0:
                 self.final = _int(usage["total_tokens"])
+                self.prompt = max(self.prompt, _int(usage.get("prompt_tokens")))
             return
         if not isinstance(choices, list):
             return
@@ -74,6 +75,7 @@ class StreamMeter:
             usage = response.get("usage") if isinstance(response, dict) else None
             if isinstance(usage, dict) and _int(usage.get("total_tokens")) >= 0:
                 self.final = _int(usage["total_tokens"])
+                self.prompt = max(self.prompt, _int(usage.get("input_tokens")))
         elif kind.endswith(".delta") and isinstance(doc.get("delta"), str) and doc["delta"]:
             i = max(0, _int(doc.get("output_index")))
             n = max(1, math.ceil(len(doc["delta"]) / CHARS_PER_TOKEN))
@@ -81,10 +83,14 @@ class StreamMeter:
 
     def tokens(self, prompt_estimate: Callable[[], int]) -> int:
         """The charge: the engine's final usage if it came, else prompt + generated."""
+        return self.split(prompt_estimate)[0]
+
+    def split(self, prompt_estimate: Callable[[], int]) -> tuple[int, int]:
+        """(the charge, its prompt part)."""
         if self.final >= 0:
-            return self.final
+            return self.final, min(self.final, self.prompt) if self.prompt >= 0 else -1
         prompt = self.prompt if self.prompt >= 0 else prompt_estimate()
-        return prompt + sum(self.generated.values())
+        return prompt + sum(self.generated.values()), prompt
 
 
 def prompt_estimate(content: bytes) -> int:

@@ -210,15 +210,16 @@ def code_for_status(status: int, param: str | None = None) -> str:
 def retry_headers(code: str, retry_after_ms: int | None = None) -> dict[str, str]:
     """The headers that tell a client whether and when to retry (see module doc)."""
     policy = spec(code).retry
-    if policy is Retry.NEVER:
-        return {"x-should-retry": "false"}
-    if policy is Retry.AFTER and retry_after_ms is not None:
+    when: dict[str, str] = {}
+    if retry_after_ms is not None:
         ms = max(1, int(retry_after_ms))
-        return {
-            "x-should-retry": "true",
-            "retry-after": str(max(1, math.ceil(ms / 1000))),
-            "retry-after-ms": str(ms),
-        }
+        when = {"retry-after": str(max(1, math.ceil(ms / 1000))), "retry-after-ms": str(ms)}
+    if policy is Retry.NEVER:
+        # A refusal that lifts at a known time only (a token budget's next period)
+        # still says when, for people and dashboards; clients must not retry before.
+        return {"x-should-retry": "false", **when}
+    if policy is Retry.AFTER and when:
+        return {"x-should-retry": "true", **when}
     return {"x-should-retry": "true"}
 
 

@@ -19,13 +19,21 @@
 -- ARGV[17] pending horizon ms: a ledger entry without a digest (a turn storing it, see
 --          keep_latch.lua) not touched for this long has no turn left storing it (live
 --          ones are refreshed by renew_leases.lua): it is reclaimed, not counted.
--- ARGV[18] number of named vectors N   ARGV[19..18+N] their names
+-- ARGV[18] API key id   ARGV[19] the key's own rpm ("0" = none)
+-- ARGV[20] the key's own max_concurrency ("0" = none)
+-- ARGV[21] token budget ("0" = none)   ARGV[22] "day" | "month": which rollup it reads
+-- ARGV[23] ms until the budget's period rolls over (UTC)   ARGV[24] rollup TTL s
+-- ARGV[25] number of named vectors N   ARGV[26..25+N] their names
+-- KEYS[11] usage day (rollup hash)   KEYS[12] usage month (rollup hash)
+-- KEYS[13] the key's own GCRA (TAT ms)   KEYS[14] the key's leases (ZSET id -> admit ms)
 -- Returns {status, retry_ms, req_remaining, req_reset_ms, tok_remaining, tok_reset_ms,
 --          latch_info of the conversation before this request ("" if none),
 --          N digests of the named vectors ("" where the tenant has no such vector),
 --          evicted conv ids...}
 -- status: 0 admitted, 1 requests/min, 2 tokens/min, 3 concurrency, 4 latch quota,
---         5 past its deadline (nothing written).
+--         5 past its deadline (nothing written), 6 token budget spent, 7 the key's own
+--         requests/min, 8 the key's own concurrency. Every refusal but 5 is counted in
+--         the minute, total and day rollups, by cause and per key.
 -- Idempotent: a lease id that is already in KEYS[3] means this admission already ran (a
 -- client resend after a lost reply), or was cancelled (a tombstone: score -expiry, left
 -- by settle_request.lua for an admission whose client timed out): either way it is
@@ -59,10 +67,17 @@ local function gcra(key, limit, n)
   return true, 0, remaining_after, math.ceil(new_tat - now), new_tat
 end
 
+local key_id = ARGV[18]
+local rollup_ttl = tonumber(ARGV[24])
+local CAUSES = {"rpm", "tpm", "concurrency", "latch", "", "budget", "key_rpm", "key_concurrency"}
 local function reject(status, retry, rr, rreset, tr, treset)
   redis.call("HINCRBY", KEYS[4], "429", 1)
   redis.call("EXPIRE", KEYS[4], tonumber(ARGV[15]))
   redis.call("HINCRBY", KEYS[5], "429", 1)
+  local field = "429:" .. CAUSES[status]
+  redis.call("HINCRBY", KEYS[11], field, 1)
+  if key_id ~= "" then redis.call("HINCRBY", KEYS[11], "k:" .. key_id .. ":" .. field, 1) end
+  redis.call("EXPIRE", KEYS[11], rollup_ttl)
   return {status, retry, rr, rreset, tr, treset, ""}
 end
 
@@ -71,9 +86,9 @@ local prev = ""
 if conv ~= "" then prev = redis.call("HGET", KEYS[7], conv) or "" end
 
 local function named_digests(out)
-  local n_names = tonumber(ARGV[18] or "0")
+  local n_names = tonumber(ARGV[25] or "0")
   for i = 1, n_names do
-    local meta = redis.call("HGET", KEYS[10], ARGV[18 + i]) or ""
+    local meta = redis.call("HGET", KEYS[10], ARGV[25 + i]) or ""
     out[#out + 1] = string.match(meta, '"digest":"(%x+)"') or ""
   end
   return out
@@ -93,10 +108,38 @@ local inflight = redis.call("ZCOUNT", KEYS[3], 0, "+inf")
 -- 2. Rates (computed before any write, so a rejection leaves no trace in them).
 local r_ok, r_retry, r_rem, r_reset, r_tat = gcra(KEYS[1], rpm, 1)
 local t_ok, t_retry, t_rem, t_reset, t_tat = gcra(KEYS[2], tpm, cost)
+
+-- The token budget: spent tokens of this UTC day or month (settled requests).
+local budget = tonumber(ARGV[21])
+if budget > 0 then
+  local rollup = ARGV[22] == "month" and KEYS[12] or KEYS[11]
+  if tonumber(redis.call("HGET", rollup, "tokens") or "0") >= budget then
+    return reject(6, tonumber(ARGV[23]), r_rem, r_reset, t_rem, t_reset)
+  end
+end
 if inflight >= tonumber(ARGV[5]) then
   return reject(3, 1000, r_rem, r_reset, t_rem, t_reset)
 end
+-- The key's own concurrency: its leases that the tenant still holds (a lease whose
+-- settlement was lost expires from the tenant's set; it is dropped here).
+local key_conc = tonumber(ARGV[20])
+if key_conc > 0 and redis.call("ZCARD", KEYS[14]) >= key_conc then
+  local live = 0
+  for _, id in ipairs(redis.call("ZRANGE", KEYS[14], 0, -1)) do
+    local sc = redis.call("ZSCORE", KEYS[3], id)
+    if sc and tonumber(sc) > 0 then live = live + 1 else redis.call("ZREM", KEYS[14], id) end
+  end
+  if live >= key_conc then return reject(8, 1000, r_rem, r_reset, t_rem, t_reset) end
+end
 if not r_ok then return reject(1, r_retry, r_rem, r_reset, t_rem, t_reset) end
+local key_rpm = tonumber(ARGV[19])
+local k_ok, k_retry, k_rem, k_reset, k_tat = true, 0, 0, 0, 0
+if key_rpm > 0 then
+  k_ok, k_retry, k_rem, k_reset, k_tat = gcra(KEYS[13], key_rpm, 1)
+  if not k_ok then return reject(7, k_retry, k_rem, k_reset, t_rem, t_reset) end
+  -- The caller sees the tighter of its key's and its tenant's request budgets.
+  if k_rem < r_rem then r_rem, r_reset = k_rem, k_reset end
+end
 if not t_ok then return reject(2, t_retry, r_rem, r_reset, t_rem, t_reset) end
 
 -- 3. Latch quota: plan evictions (own LRU latches only) before writing anything.
@@ -152,6 +195,18 @@ if redis.call("PTTL", KEYS[3]) < leases_ttl then redis.call("PEXPIRE", KEYS[3], 
 redis.call("HINCRBY", KEYS[4], "requests", 1)
 redis.call("EXPIRE", KEYS[4], tonumber(ARGV[15]))
 redis.call("HINCRBY", KEYS[5], "requests", 1)
+redis.call("HINCRBY", KEYS[11], "requests", 1)
+redis.call("HINCRBY", KEYS[12], "requests", 1)
+redis.call("EXPIRE", KEYS[12], rollup_ttl)
+if key_id ~= "" then
+  redis.call("HINCRBY", KEYS[11], "k:" .. key_id .. ":requests", 1)
+  if key_rpm > 0 then redis.call("SET", KEYS[13], k_tat, "PX", math.ceil(k_tat - now) + 1000) end
+  if key_conc > 0 then
+    redis.call("ZADD", KEYS[14], now, ARGV[6])
+    redis.call("PEXPIRE", KEYS[14], tonumber(ARGV[7]) - now + 86400000)
+  end
+end
+redis.call("EXPIRE", KEYS[11], rollup_ttl)
 if conv ~= "" then
   if want_latch then
     for _, victim in ipairs(evicted) do

@@ -15,6 +15,11 @@
 -- ARGV[11] cancel: the lease's expiry ms if this settles an admission whose answer never
 --          came ("0" otherwise). If it has not run (yet), a tombstone (score -expiry)
 --          makes admit_request.lua refuse it should it run later (a hung Redis).
+-- ARGV[12] prompt tokens   ARGV[13] completion tokens (their sum is ARGV[6])
+-- ARGV[14] API key id ("" = none)   ARGV[15] rollup TTL s
+-- KEYS[11] usage day   KEYS[12] usage month   KEYS[14] the key's leases: the day and month
+-- rollups get the tokens and the status class (the tenant's, and the key's as
+-- k:<key_id>:<field>); the key's lease is released with the tenant's.
 -- Returns 1 when action was "keep" but the latch is no longer ours in Redis (it was
 -- evicted while the request ran). Nothing needs doing about it: an engine never bridges
 -- a latch Redis does not expect, and the engine sync deletes its copy. Else 0.
@@ -27,6 +32,7 @@ local now = tonumber(ARGV[1])
 local score = redis.call("ZSCORE", KEYS[3], ARGV[2])
 local held = score and tonumber(score) > 0
 if held then redis.call("ZREM", KEYS[3], ARGV[2]) end
+if KEYS[14] then redis.call("ZREM", KEYS[14], ARGV[2]) end
 local cancel = tonumber(ARGV[11] or "0")
 if cancel > 0 and not held and cancel > now then
   redis.call("ZADD", KEYS[3], -cancel, ARGV[2])
@@ -58,6 +64,22 @@ if held then
     redis.call("HINCRBY", KEYS[5], "tokens", used)
   end
   redis.call("EXPIRE", KEYS[4], tonumber(ARGV[10]))
+  if KEYS[11] then
+    local prompt, completion = tonumber(ARGV[12] or "0"), tonumber(ARGV[13] or "0")
+    local kp = (ARGV[14] or "") ~= "" and ("k:" .. ARGV[14] .. ":") or nil
+    local function add(field, n)
+      if n <= 0 then return end
+      redis.call("HINCRBY", KEYS[11], field, n)
+      if kp then redis.call("HINCRBY", KEYS[11], kp .. field, n) end
+      redis.call("HINCRBY", KEYS[12], field, n)
+    end
+    add("prompt_tokens", prompt)
+    add("completion_tokens", completion)
+    add("tokens", prompt + completion)
+    if ARGV[5] ~= "" then add(ARGV[5], 1) end
+    redis.call("EXPIRE", KEYS[11], tonumber(ARGV[15]))
+    redis.call("EXPIRE", KEYS[12], tonumber(ARGV[15]))
+  end
 end
 
 local conv, action = ARGV[7], ARGV[8]

@@ -127,6 +127,7 @@ async def proxy_inference(request: Request, path: str) -> Response:
         latch_bytes=head.latch_bytes(shape),
         latch_kind=head.latch_kind,
         vector_names=list(head.names),
+        api_key=getattr(request.state, "api_key", None),
     )
     try:
         _check_names(head, adm)
@@ -188,8 +189,9 @@ def _settle(
     tokens: int,
     latch_state: str | None,
     steered: bool = False,
+    prompt: int = -1,
 ) -> None:
-    svc.settler.submit(Outcome(adm, status, tokens, latch_state, steered))
+    svc.settler.submit(Outcome(adm, status, tokens, latch_state, steered, prompt_tokens=prompt))
 
 
 def _latch_state(adm: Admission, engine_state: str | None) -> str:
@@ -200,10 +202,17 @@ def _latch_state(adm: Admission, engine_state: str | None) -> str:
 
 
 def _total_tokens(doc: Any) -> int:
+    return _usage(doc)[0]
+
+
+def _usage(doc: Any) -> tuple[int, int]:
+    """(total, prompt) tokens of an answer's ``usage``; -1 where unknown (the
+    reservation is then charged)."""
     usage = doc.get("usage") if isinstance(doc, dict) else None
     if isinstance(usage, dict) and isinstance(usage.get("total_tokens"), int):
-        return int(usage["total_tokens"])
-    return -1  # unknown: keep the reservation as the charge
+        prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+        return int(usage["total_tokens"]), int(prompt) if isinstance(prompt, int) else -1
+    return -1, -1
 
 
 async def _send(turn: Turn) -> UpstreamResponse:
@@ -232,13 +241,13 @@ async def _unary(turn: Turn) -> Response:
     if ok:
         await turn.keep_latch(engine_state)
     state = _latch_state(adm, engine_state)
-    tokens = -1
+    tokens, prompt = -1, -1
     if ok:
         try:
             doc = orjson.loads(body)
         except orjson.JSONDecodeError:
             doc = None
-        tokens = _total_tokens(doc)
+        tokens, prompt = _usage(doc)
         if isinstance(doc, dict):
             steering = doc.get("steering")
             if not isinstance(steering, dict) or steering.get("latch") != state:
@@ -249,7 +258,7 @@ async def _unary(turn: Turn) -> Response:
                 )
                 doc["steering"] = {"applied": bool(applied), "latch": state}
                 body = orjson.dumps(doc)
-    _settle(svc, adm, r.status, tokens, engine_state, prep.steering is not None)
+    _settle(svc, adm, r.status, tokens, engine_state, prep.steering is not None, prompt)
     headers = {**adm.headers, LATCH_HEADER: state}
     return Response(
         body,
@@ -349,8 +358,8 @@ async def _stream(turn: Turn) -> Response:
         await cm.__aexit__(None, None, None)
         # The engine's latch decision arrived with the headers, before any body, so it
         # holds even if the stream later broke or the client left (status 0).
-        tokens = meter.tokens(lambda: prompt_estimate(content))
-        _settle(svc, adm, seen["status"], tokens, engine_state, prep.steering is not None)
+        tokens, prompt = meter.split(lambda: prompt_estimate(content))
+        _settle(svc, adm, seen["status"], tokens, engine_state, prep.steering is not None, prompt)
 
     async def relay() -> AsyncIterator[bytes]:
         buf = b""

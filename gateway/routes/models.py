@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 
 from gateway.auth import TenantDep
 from gateway.deps import Services, ServicesDep
@@ -25,8 +25,10 @@ router = APIRouter(tags=["models"])
 
 
 @router.get("/v1/models")
-async def list_models(tenant: TenantDep, svc: ServicesDep) -> Response:
-    r, headers = await metered_call(svc, tenant, svc.engines.models)
+async def list_models(request: Request, tenant: TenantDep, svc: ServicesDep) -> Response:
+    r, headers = await metered_call(
+        svc, tenant, svc.engines.models, getattr(request.state, "api_key", None)
+    )
     if r.status != 200:
         return _relay(r.status, scrub(r.body, tenant.id, error=True), headers)
     doc = _with_steering(r.json(), svc)
@@ -34,8 +36,12 @@ async def list_models(tenant: TenantDep, svc: ServicesDep) -> Response:
 
 
 @router.get("/v1/models/{model:path}")
-async def retrieve_model(model: str, tenant: TenantDep, svc: ServicesDep) -> Response:
-    r, headers = await metered_call(svc, tenant, svc.engines.models)
+async def retrieve_model(
+    model: str, request: Request, tenant: TenantDep, svc: ServicesDep
+) -> Response:
+    r, headers = await metered_call(
+        svc, tenant, svc.engines.models, getattr(request.state, "api_key", None)
+    )
     if r.status != 200:
         return _relay(r.status, scrub(r.body, tenant.id, error=True), headers)
     for entry in _with_steering(r.json(), svc).get("data", []):

@@ -9,6 +9,8 @@ Bodies are vLLM's: ``{"model"?, "prompt"}`` or ``{"model"?, "messages", ...}`` -
 
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 from fastapi import APIRouter, Request, Response
 
@@ -24,15 +26,23 @@ router = APIRouter(tags=["tokenizer"])
 @router.post("/v1/tokenize")
 async def tokenize(request: Request, tenant: TenantDep, svc: ServicesDep) -> Response:
     content = orjson.dumps(await read_json_object(request))
-    r, headers = await metered_call(svc, tenant, lambda: svc.engines.tokenize(content))
+    r, headers = await metered_call(
+        svc, tenant, lambda: svc.engines.tokenize(content), _key(request)
+    )
     return _relay(r.status, r.body, tenant.id, headers)
 
 
 @router.post("/v1/detokenize")
 async def detokenize(request: Request, tenant: TenantDep, svc: ServicesDep) -> Response:
     content = orjson.dumps(await read_json_object(request))
-    r, headers = await metered_call(svc, tenant, lambda: svc.engines.detokenize(content))
+    r, headers = await metered_call(
+        svc, tenant, lambda: svc.engines.detokenize(content), _key(request)
+    )
     return _relay(r.status, r.body, tenant.id, headers)
+
+
+def _key(request: Request) -> Any:
+    return getattr(request.state, "api_key", None)
 
 
 def _relay(status: int, body: bytes, tenant_id: str, headers: dict[str, str]) -> Response:

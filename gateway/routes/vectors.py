@@ -48,7 +48,13 @@ def _not_found(name: str) -> APIError:
 async def put_vector(name: str, request: Request, tenant: TenantDep, svc: ServicesDep) -> Response:
     check_vector_name(name)
     adm = await svc.limiter.admit(
-        tenant, tokens=0, conversation_id=None, latch=False, latch_bytes=0, latch_kind="ref"
+        tenant,
+        tokens=0,
+        conversation_id=None,
+        latch=False,
+        latch_bytes=0,
+        latch_kind="ref",
+        api_key=getattr(request.state, "api_key", None),
     )
     status = 0
     try:

@@ -35,6 +35,7 @@ What is proved anyway:
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -164,7 +165,7 @@ def _register_in_worker() -> dict[str, Any]:
 
     before = {
         "plugin_imported": "engine.plugin" in sys.modules,
-        "has_op": hasattr(torch.ops, "steergate") and hasattr(torch.ops.steergate, "steer"),
+        "has_op": hasattr(torch.ops.steergate, "steer"),
     }
     from vllm.plugins import load_general_plugins
 
@@ -202,7 +203,8 @@ def ray_runtime() -> Iterator[None]:
         num_cpus=1,
         include_dashboard=False,
         log_to_driver=False,
-        runtime_env={"env_vars": {k: v for k, v in _ENV.items() if k != "VLLM_CPU_OMP_THREADS_BIND"}},
+        # The task below is pickled by reference: the worker imports this module.
+        runtime_env={"env_vars": {"PYTHONPATH": _ENV["PYTHONPATH"]}},
     )
     try:
         yield
@@ -236,7 +238,29 @@ def ray_engine(tiny_model: Path) -> Iterator[EngineProcess]:
     try:
         yield proc
     finally:
+        shm = _shm_of_ray_processes(proc)
         proc.stop()
+        for path in shm:  # gone with a clean shutdown; left by a killed actor
+            path.unlink(missing_ok=True)
+
+
+def _shm_of_ray_processes(engine: EngineProcess) -> set[Path]:
+    """The ``/dev/shm`` files the engine core and its Ray actors map. The engine
+    core's shutdown ``ray.kill``s the actors, so their message queues and vLLM CPU's
+    TP shared-memory buffers are never unlinked (a vLLM leak, not a steergate one)."""
+    log = engine.log_tail(10**9)
+    pids = set(re.findall(r"\((?:RayWorkerProc|EngineCore) pid=(\d+)\)", log))
+    found: set[Path] = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        for line in maps.splitlines():
+            fields = line.split(None, 5)
+            if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
+                found.add(Path(fields[5].removesuffix(" (deleted)")))
+    return found
 
 
 def _complete(

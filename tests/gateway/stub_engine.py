@@ -32,7 +32,6 @@ from engine.http.plugin import SteeringEndpointPlugin
 from engine.http.runtime import SteeringRuntime
 from engine.payload import XARGS_KEY, decode_payload
 from shared import engine_api
-from shared.asgi import read_body, replay
 from shared.settings import EngineSettings
 from shared.steering import ModelShape
 from tests.gateway import stub_vllm
@@ -178,14 +177,27 @@ class _Recorder:
         if scope["type"] != "http" or scope["path"] not in engine_api.STEERED_PATHS:
             await self.app(scope, receive, send)
             return
-        raw = await read_body(receive)
-        if raw is None:
-            return
+        chunks: list[bytes] = []
+        while True:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        raw = b"".join(chunks)
         try:
             self.requests.append(json.loads(raw))
         except ValueError:
             pass
-        await self.app(scope, replay(raw, receive), send)
+        done = False
+
+        async def replay() -> Any:
+            nonlocal done
+            if not done:
+                done = True
+                return {"type": "http.request", "body": raw, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
 
 
 def _completion(body: dict[str, Any], chat: bool, text: str) -> dict[str, Any]:

@@ -62,6 +62,8 @@ def traffic(ops: Ops) -> str:
 
 def test_every_documented_metric_exists_with_its_type_and_labels(ops: Ops) -> None:
     traffic(ops)
+    streamer = ops.tenant("streamer")  # a stream: time to first token
+    assert ops.chat(streamer, stream=True).status_code == 200
     families = scrape(ops.url)
     for name, (kind, labels) in documented().items():
         assert name in families, f"{name} is documented but not in /metrics"
