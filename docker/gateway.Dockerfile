@@ -14,7 +14,7 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY shared ./shared
 COPY gateway ./gateway
-RUN pip install ".[gateway]" \
+RUN pip install ".[gateway,otel]" \
  && python -c "import importlib.util as u, sys; bad = [m for m in ('torch', 'vllm') if u.find_spec(m)]; sys.exit(f'gateway image must not contain {bad}' if bad else 0)"
 
 USER steergate

@@ -34,6 +34,7 @@ from gateway import keys
 from gateway.limits import Admission
 from gateway.scripts import Scripts, evalsha
 from gateway.store import Redis, is_cluster
+from gateway.tracing import span
 from shared.engine_api import DROP_STATES, KEEP_STATES
 
 log = logging.getLogger("steergate.gateway.accounting")
@@ -361,7 +362,8 @@ class Settler:
         only its own settlement; a connection failure fails the batch (sent again as a
         whole: settle_request.lua is idempotent)."""
         try:
-            results = await self._settle([item.outcome for item in batch])
+            with span("settlement", requests=len(batch)):
+                results = await self._settle([item.outcome for item in batch])
         except Exception as exc:  # noqa: BLE001 - Redis down, hung, or restarting
             log.warning("settlement of %d failed (%s); retrying", len(batch), type(exc).__name__)
             results = [exc] * len(batch)

@@ -1,15 +1,13 @@
 """Assembly only: settings -> services (in the lifespan) -> middleware and routers.
 
 The lifespan owns every pool (Redis, the engine client) and background task (auth invalidation,
-engine polling, settlement); nothing lives at module level. Routers owned by the
-admin/usage/dashboard/metrics work are included when their modules exist.
+engine polling, settlement); nothing lives at module level.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -19,14 +17,28 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway import keys, openapi
+from gateway import keys, openapi, tracing
 from gateway.accounting import Settler
 from gateway.deps import Services
 from gateway.engine_sync import EngineSync
 from gateway.engines import EngineClient
 from gateway.limits import Limiter
+from gateway.metrics import Metrics
+from gateway.metrics_edge import MetricsMiddleware, record_rejection
 from gateway.middleware import BodyLimitMiddleware
-from gateway.routes import health, inference, latches, models, tokenize, vectors
+from gateway.routes import (
+    admin,
+    dashboard,
+    health,
+    inference,
+    latches,
+    models,
+    tokenize,
+    usage,
+    usage_export,
+    vectors,
+)
+from gateway.routes import metrics as metrics_route
 from gateway.scripts import Scripts
 from gateway.store import Redis, connect
 from gateway.tenants import TenantStore
@@ -39,12 +51,19 @@ from shared.settings import GatewaySettings
 
 log = logging.getLogger("steergate.gateway")
 
-#: Routers other work streams own; included when the module exists.
-OPTIONAL_ROUTERS = (
-    "gateway.routes.admin",
-    "gateway.routes.usage",
-    "gateway.routes.dashboard",
-    "gateway.metrics",
+#: Every router, in the order the routes are matched.
+ROUTERS = (
+    inference,
+    models,
+    tokenize,
+    vectors,
+    latches,
+    health,
+    admin,
+    usage,
+    usage_export,
+    dashboard,
+    metrics_route,
 )
 
 
@@ -109,12 +128,14 @@ def create_app(settings: GatewaySettings | None = None, *, redis: Redis | None =
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         svc = build_services(settings, redis)
         app.state.services = svc
+        svc.settler.on_outcome = app.state.metrics.observe_outcome
         # Accessors for the admin / usage / dashboard / metrics routers.
         app.state.settings = settings
         app.state.tenants = svc.tenants
         stop = asyncio.Event()
         tasks = [
             asyncio.create_task(svc.tenants.listen_for_invalidations(stop)),
+            asyncio.create_task(svc.tenants.key_use.run(stop)),  # keys' last use, batched
             asyncio.create_task(svc.settler.run(stop)),
             asyncio.create_task(_start_engines(svc, stop)),
         ]
@@ -141,11 +162,11 @@ def create_app(settings: GatewaySettings | None = None, *, redis: Redis | None =
     )
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     _install_error_handlers(app)
-    for router_module in (inference, models, tokenize, vectors, latches, health):
+    for router_module in ROUTERS:
         app.include_router(router_module.router)
-    for name in OPTIONAL_ROUTERS:
-        _include_optional(app, name)
+    _install_metrics(app)
     openapi.install(app)
+    tracing.install(app)  # OTEL_EXPORTER_OTLP_*: gateway/tracing.py
     # Outermost, added last: every response (the 413, a 500, a 429 counted by the
     # metrics middleware) leaves in the one error shape and with its request id.
     request_id.install_log_records()
@@ -167,17 +188,13 @@ async def _start_engines(svc: Services, stop: asyncio.Event) -> None:
             await asyncio.wait_for(stop.wait(), svc.settings.reconcile_interval_s)
 
 
-def _include_optional(app: FastAPI, module_name: str) -> None:
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name != module_name:
-            raise  # the module exists but is broken: fail loudly
-        return
-    if hasattr(module, "router"):
-        app.include_router(module.router)
-    elif hasattr(module, "install"):
-        module.install(app)
+def _install_metrics(app: FastAPI) -> None:
+    """The app's own registry (``app.state.metrics``) and the middleware that observes
+    every tenant request at the ASGI edge; ``GET /metrics`` is in ``ROUTERS``."""
+    app.state.metrics = Metrics()
+    app.add_middleware(
+        MetricsMiddleware, metrics=app.state.metrics, on_rejection=record_rejection
+    )
 
 
 def _install_error_handlers(app: FastAPI) -> None:

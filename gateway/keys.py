@@ -8,6 +8,8 @@ used one at a time, never together with tenant keys in one script.
 
 from __future__ import annotations
 
+import time
+
 PREFIX = "sg"
 
 #: Pub/sub channel for auth-cache invalidation ("key:<key_id>", "tenant:<id>").
@@ -151,8 +153,21 @@ def vector_data(tenant_id: str) -> str:
     return _t(tenant_id, "vectors:data")
 
 
-def admit_keys(tenant_id: str, minute: int) -> list[str]:
-    """KEYS of admit_request.lua and settle_request.lua, in their order."""
+def utc_day(now_s: float) -> int:
+    """The rollup day of a unix time: days since 1970-01-01 UTC."""
+    return int(now_s // 86400)
+
+
+def utc_month(now_s: float) -> int:
+    """The rollup month of a unix time: year * 12 + month - 1 (UTC)."""
+    t = time.gmtime(now_s)
+    return t.tm_year * 12 + t.tm_mon - 1
+
+
+def admit_keys(tenant_id: str, minute: int, key_id: str = "") -> list[str]:
+    """KEYS of admit_request.lua and settle_request.lua, in their order (the day and
+    month are those of ``minute``)."""
+    now_s = minute * 60
     return [
         gcra_requests(tenant_id),
         gcra_tokens(tenant_id),
@@ -164,6 +179,10 @@ def admit_keys(tenant_id: str, minute: int) -> list[str]:
         latch_bytes(tenant_id),
         latch_specs(tenant_id),
         vectors(tenant_id),
+        usage_day(tenant_id, utc_day(now_s)),
+        usage_month(tenant_id, utc_month(now_s)),
+        key_gcra(tenant_id, key_id),
+        key_leases(tenant_id, key_id),
     ]
 
 
@@ -199,4 +218,33 @@ def all_tenant_keys(tenant_id: str, now_minute: int) -> list[str]:
         vectors(tenant_id),
         vector_data(tenant_id),
     ]
-    return fixed + [usage_minute(tenant_id, m) for m in range(now_minute - window, now_minute + 2)]
+    minutes = [usage_minute(tenant_id, m) for m in range(now_minute - window, now_minute + 2)]
+    # Rollups go with the tenant (a recreated id starts with no history); per-key GCRA
+    # and lease sets expire on their own.
+    today, month = utc_day(now_minute * 60), utc_month(now_minute * 60)
+    days = [usage_day(tenant_id, d) for d in range(today - USAGE_DAY_TTL_S // 86400, today + 2)]
+    months = [usage_month(tenant_id, m) for m in range(month - 14, month + 2)]
+    return fixed + minutes + days + months
+
+
+# -- keys, admin keys and audit (issue 13) ---------------------------------------------
+
+
+def key_last_used(tenant_id: str) -> str:
+    """Hash key_id -> unix seconds of the key's last authenticated use. Written only by
+    the replicas' batched background flush (``gateway.keyuse``), never per request."""
+    return _t(tenant_id, "keys:used")
+
+
+#: Hash admin key_id -> JSON {prefix, role, name, created_at, created_by, hash}. Global.
+ADMIN_KEYS = f"{PREFIX}:admin:keys"
+
+
+def admin_key_lookup(key_hash: str) -> str:
+    """String: HMAC(pepper, admin key) hex -> admin key_id. Global."""
+    return f"{PREFIX}:admin:key:{key_hash}"
+
+
+#: Stream of admin writes (``gateway.audit``), capped with XADD MAXLEN ~. Global, one
+#: key per command.
+AUDIT_STREAM = f"{PREFIX}:audit"

@@ -21,6 +21,7 @@ from gateway import keys
 from gateway.scripts import Scripts, evalsha
 from gateway.store import store_errors, store_unavailable
 from gateway.tenants import Tenant
+from gateway.tracing import span
 from shared.errors import APIError
 
 if TYPE_CHECKING:
@@ -257,9 +258,12 @@ class Limiter:
         ]
         try:
             async with store_errors():
-                r = await evalsha(
-                    self.scripts.admit_request, keys.admit_keys(tenant.id, minute, key_id), args
-                )
+                with span("admission", tenant_id=tenant.id):
+                    r = await evalsha(
+                        self.scripts.admit_request,
+                        keys.admit_keys(tenant.id, minute, key_id),
+                        args,
+                    )
         except APIError:
             if self.settler is not None:  # it may still run (a hung Redis replays it)
                 lost = Admission(tenant, lease_id, minute, cost, None, False, "", [])

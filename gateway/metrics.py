@@ -13,8 +13,9 @@ Two kinds of series live here:
   emitted by a custom collector, so a deleted tenant or engine disappears from the
   next scrape instead of lingering as a stale gauge.
 
-``install(app)`` (called by ``gateway.app.create_app``) creates the registry for
-that app, adds the middleware and the ``/metrics`` route.
+``gateway.app.create_app`` creates one :class:`Metrics` per app, adds the middleware
+(``gateway/metrics_edge.py``) and the ``/metrics`` route (``gateway/routes/metrics.py``);
+both import this module, which imports neither.
 
 Every per-tenant label is the tenant id; API keys, key ids and conversation ids
 never become label values (they are secrets or unbounded).
@@ -310,14 +311,3 @@ class Metrics:
         loop two concurrent scrapes cannot interleave their snapshots."""
         self._state.snapshot = snapshot
         return generate_latest(_WithoutCreated(self.registry))
-
-
-def install(app: Any) -> None:
-    """Give ``app`` its own registry, the observing middleware and ``GET /metrics``."""
-    from gateway.metrics_edge import MetricsMiddleware, record_rejection  # import cycles:
-    from gateway.routes.metrics import router  # both modules import this one
-
-    metrics = Metrics()
-    app.state.metrics = metrics
-    app.add_middleware(MetricsMiddleware, metrics=metrics, on_rejection=record_rejection)
-    app.include_router(router)

@@ -104,7 +104,9 @@ def prescan(body: dict[str, Any]) -> Head:
             if "name" in term:
                 names[check_vector_name(term["name"], f"{param}.name")] = None
             else:
-                sites.update((term.get("hook"), layer) for layer in _term_layers(term, param))
+                hook = term.get("hook")
+                hook = hook if isinstance(hook, str) else repr(hook)  # malformed: named later
+                sites.update((hook, layer) for layer in _term_layers(term, param))
         if latch and conv is None:
             raise InvalidField(
                 "steering.latch",

@@ -27,7 +27,7 @@ from urllib.parse import urlencode, urlsplit
 
 import orjson
 
-from gateway import http1
+from gateway import http1, tracing
 from shared import engine_api, request_id
 from shared.errors import APIError
 from shared.steering import ModelShape
@@ -199,7 +199,7 @@ class EnginePool:
                 content=content,
                 content_type=JSON if content is not None else None,
                 read_timeout_s=timeout_s,
-                headers=request_id.outgoing_headers(),
+                headers=tracing.inject_traceparent(request_id.outgoing_headers()),
             )
             try:
                 body = await r.read()
@@ -226,7 +226,7 @@ class EnginePool:
                     engine.base_path + path,
                     content=content,
                     content_type=JSON,
-                    headers=request_id.outgoing_headers(),
+                    headers=tracing.inject_traceparent(request_id.outgoing_headers()),
                 )
             except http1.HTTPError as exc:
                 raise _unavailable(engine, exc) from exc

@@ -20,14 +20,22 @@ show is exactly what admission decides on, and it is the same on every replica.
   gets) adds ``429:<code>`` fields. Inference 429s the limiter counted without a
   recorded cause are shown as ``unattributed`` rather than hidden. Vector uploads
   are admitted and settled like inference requests, so their 429s count too.
+* budget and export (billing): the daily and monthly rollup hashes
+  (``usage:day:<day>``, ``usage:month:<month>``, fields ``keys.ROLLUP_FIELDS``) that
+  settlement and admission keep; see the "rollups" section below.
 """
 
 from __future__ import annotations
 
+import calendar
+import csv
+import datetime
+import io
 import math
+import re
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 from pydantic import BaseModel, Field
@@ -35,6 +43,7 @@ from pydantic import BaseModel, Field
 from gateway import keys
 from gateway.store import Redis, store_errors
 from gateway.tenants import Limits, Tenant
+from shared.errors import InvalidField
 
 HISTORY_MINUTES = 60
 STATUS_CLASSES = ("2xx", "4xx", "429", "5xx")
@@ -79,6 +88,16 @@ QUOTAS_DESCRIPTION = (
 )
 
 
+class BudgetUse(BaseModel):
+    """The tenant's token budget (``limits.token_budget``) in the current UTC period."""
+
+    tokens: int = Field(description="tokens per period (the limit)")
+    period: Literal["day", "month"]
+    used: int = Field(description="tokens charged in the current period (prompt + completion)")
+    remaining: int = Field(description="max(0, tokens - used)")
+    resets_at: int = Field(description="unix seconds: start of the next UTC day or month")
+
+
 class TenantUsage(BaseModel):
     tenant_id: str
     name: str = ""
@@ -97,6 +116,9 @@ class TenantUsage(BaseModel):
     rejections: dict[str, int] = Field(description="429s by error code in the last window_minutes")
     history: list[UsageMinute] | None = Field(
         default=None, description="oldest first, one per minute"
+    )
+    budget: BudgetUse | None = Field(
+        default=None, description="the token budget in its current period; null: none set"
     )
 
 
@@ -169,9 +191,24 @@ async def read_usage(
         pipe.hgetall(keys.usage_total(tid))
         for minute in window:
             pipe.hgetall(keys.usage_minute(tid, minute))
+        budget_key, resets_at = (
+            budget_period(tid, lim.token_budget.period, now_ms) if lim.token_budget else ("", 0)
+        )
+        if budget_key:
+            pipe.hget(budget_key, "tokens")
         r = await pipe.execute()
     tat_req, tat_tok, inflight, latch_count, latch_bytes, vector_rows, total = r[:7]
-    minute_rows: list[dict[str, Any]] = [row or {} for row in r[7:]]
+    minute_rows: list[dict[str, Any]] = [row or {} for row in r[7 : 7 + len(window)]]
+    budget = None
+    if lim.token_budget is not None:
+        spent = max(0, _int(r[7 + len(window)]))
+        budget = BudgetUse(
+            tokens=lim.token_budget.tokens,
+            period=lim.token_budget.period,
+            used=spent,
+            remaining=max(0, lim.token_budget.tokens - spent),
+            resets_at=resets_at,
+        )
     vector_count, vector_bytes = _vector_totals(vector_rows)
     quotas = {
         "requests_per_minute": QuotaUse(
@@ -216,6 +253,7 @@ async def read_usage(
         ]
         if history
         else None,
+        budget=budget,
     )
 
 
@@ -238,3 +276,169 @@ async def record_rejection(redis: Redis, tenant_id: str, cause: str, now_ms: int
         pipe.expire(minute_key, keys.USAGE_MINUTE_TTL_S)
         pipe.hincrby(keys.usage_total(tenant_id), CAUSE_PREFIX + cause, 1)
         await pipe.execute()
+
+
+# ---------------------------------------------------------------------------- rollups
+#
+# Daily and monthly rollups (``keys.usage_day`` / ``keys.usage_month``, fields
+# ``keys.ROLLUP_FIELDS``) are written by settlement (every settled request) and by
+# admission (each 429 as ``429:<cause>``); the same per API key as
+# ``k:<key_id>:<field>`` (day hashes only). A month hash holds the tenant's totals and
+# is what a ``"month"`` token budget reads; a day hash, a ``"day"`` one.
+
+DAY_S = 86_400
+_EPOCH = datetime.date(1970, 1, 1)
+
+
+utc_day, utc_month = keys.utc_day, keys.utc_month  # the rollups' calendar (gateway/keys.py)
+
+
+def budget_period(tenant_id: str, period: str, now_ms: int) -> tuple[str, int]:
+    """The rollup hash a ``period`` budget reads now, and when that period ends (unix s)."""
+    now_s = now_ms / 1000
+    if period == "day":
+        day = utc_day(now_s)
+        return keys.usage_day(tenant_id, day), (day + 1) * DAY_S
+    month = utc_month(now_s)
+    year, index = divmod(month + 1, 12)  # the next month
+    return keys.usage_month(tenant_id, month), calendar.timegm((year, index + 1, 1, 0, 0, 0))
+
+
+# ---------------------------------------------------------------------------- export
+
+EXPORT_DEFAULT_DAYS = 30
+EXPORT_MAX_DAYS = 400
+GROUP_BY = ("day", "key")
+FORMATS = ("json", "csv")
+#: 429 causes counted at admission (rollup fields ``429:<cause>``).
+REFUSAL_CAUSES = ("rpm", "tpm", "concurrency", "latch", "budget", "key_rpm", "key_concurrency")
+#: Settled-request counters of a rollup, in export column order.
+COUNTERS = ("requests", "prompt_tokens", "completion_tokens", "tokens", "2xx", "4xx", "5xx")
+#: Every export row's counter columns: the counters, all 429s, then 429s by cause.
+EXPORT_COUNTERS = (*COUNTERS, "429", *(f"429_{cause}" for cause in REFUSAL_CAUSES))
+KEY_FIELD_PREFIX = "k:"
+_DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
+
+
+def day_of(text: str, param: str) -> int:
+    """A ``YYYY-MM-DD`` (UTC) date as a rollup day; 400 invalid_request naming ``param``."""
+    if not _DATE.fullmatch(text):
+        raise InvalidField(param, f"'{param}' must be a date YYYY-MM-DD (UTC)")
+    try:
+        date = datetime.date.fromisoformat(text)
+    except ValueError:
+        raise InvalidField(param, f"'{param}' is not a valid date") from None
+    if date < _EPOCH:
+        raise InvalidField(param, f"'{param}' must be 1970-01-01 or later")
+    return (date - _EPOCH).days
+
+
+def date_of(day: int) -> str:
+    return (_EPOCH + datetime.timedelta(days=day)).isoformat()
+
+
+def export_range(start: str | None, end: str | None, now_s: float) -> tuple[int, int]:
+    """``(first_day, last_day)``, both inclusive, of an export request. Defaults: ``end``
+    today (UTC), ``start`` 29 days before ``end`` (30 days). At most 400 days."""
+    last = day_of(end, "end") if end is not None else utc_day(now_s)
+    first = day_of(start, "start") if start is not None else last - EXPORT_DEFAULT_DAYS + 1
+    if last < first:
+        raise InvalidField("end", "'end' is before 'start'")
+    if last - first + 1 > EXPORT_MAX_DAYS:
+        raise InvalidField(
+            "start", f"at most {EXPORT_MAX_DAYS} days per export (start to end, inclusive)"
+        )
+    return first, last
+
+
+def check_choice(value: str | None, choices: Sequence[str], param: str) -> str:
+    if value is None:
+        return choices[0]
+    if value not in choices:
+        raise InvalidField(param, f"'{param}' must be one of: {', '.join(choices)}")
+    return value
+
+
+async def read_rollup_days(
+    redis: Redis, tenant_id: str, first_day: int, last_day: int
+) -> list[dict[str, Any]]:
+    """The day hashes ``first_day..last_day`` (oldest first) in one pipelined round trip
+    (one tenant's keys share a slot, so this works on Redis Cluster too)."""
+    async with store_errors():
+        pipe = redis.pipeline(transaction=False)
+        for day in range(first_day, last_day + 1):
+            pipe.hgetall(keys.usage_day(tenant_id, day))
+        rows = await pipe.execute()
+    return [row or {} for row in rows]
+
+
+def _split_rollup(row: dict[str, Any]) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+    """A rollup hash -> (tenant fields, {key_id: that key's fields})."""
+    tenant: dict[str, int] = {}
+    per_key: dict[str, dict[str, int]] = {}
+    for field, value in row.items():
+        if field.startswith(KEY_FIELD_PREFIX):
+            key_id, sep, rest = field[len(KEY_FIELD_PREFIX) :].partition(":")
+            if key_id and sep and rest:
+                per_key.setdefault(key_id, {})[rest] = _int(value)
+        else:
+            tenant[field] = _int(value)
+    return tenant, per_key
+
+
+def _counter_row(fields: dict[str, int]) -> dict[str, int]:
+    row = {name: fields.get(name, 0) for name in COUNTERS}
+    # Every 429:<cause> counts in "429", causes this version does not name included.
+    row["429"] = sum(v for f, v in fields.items() if f.startswith(CAUSE_PREFIX))
+    for cause in REFUSAL_CAUSES:
+        row[f"429_{cause}"] = fields.get(CAUSE_PREFIX + cause, 0)
+    return row
+
+
+def export_columns(group_by: str) -> list[str]:
+    return ["date", *(["key_id"] if group_by == "key" else []), *EXPORT_COUNTERS]
+
+
+def export_doc(
+    tenant_id: str,
+    first_day: int,
+    rollups: Sequence[dict[str, Any]],
+    group_by: str,
+) -> dict[str, Any]:
+    """The export's JSON. ``group_by="day"``: one row per day of the range, zeros
+    included. ``"key"``: one row per (day, API key) with traffic that day, by date then
+    key id. ``totals``: the tenant's totals over the range (either grouping)."""
+    rows: list[dict[str, Any]] = []
+    totals = dict.fromkeys(EXPORT_COUNTERS, 0)
+    for offset, rollup in enumerate(rollups):
+        date = date_of(first_day + offset)
+        tenant_fields, per_key = _split_rollup(rollup)
+        day_row = _counter_row(tenant_fields)
+        for name, value in day_row.items():
+            totals[name] += value
+        if group_by == "day":
+            rows.append({"date": date, **day_row})
+        else:
+            for key_id in sorted(per_key):
+                rows.append({"date": date, "key_id": key_id, **_counter_row(per_key[key_id])})
+    return {
+        "object": "usage_export",
+        "tenant_id": tenant_id,
+        "start": date_of(first_day),
+        "end": date_of(first_day + len(rollups) - 1),
+        "group_by": group_by,
+        "columns": export_columns(group_by),
+        "rows": rows,
+        "totals": totals,
+    }
+
+
+def export_csv(doc: dict[str, Any]) -> str:
+    """The export's rows as CSV: a header row (``doc["columns"]``), then one line per row."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\r\n")
+    columns = doc["columns"]
+    writer.writerow(columns)
+    for row in doc["rows"]:
+        writer.writerow([row[c] for c in columns])
+    return out.getvalue()

@@ -294,14 +294,15 @@ def _closure(requirements: list[str], extras: set[str]) -> set[str]:
 
 def test_gateway_image_installs_no_torch_or_vllm() -> None:
     path = dockerfile("gateway")
-    assert _pip_installs(path) == [".[gateway]"]
+    assert _pip_installs(path) == [".[gateway,otel]"]  # tracing can be turned on
     lines = dockerfile_lines(path)
     assert not any(ln.startswith("COPY") and "engine" in ln for ln in lines)
     assert any("find_spec" in ln and "torch" in ln and "vllm" in ln for ln in lines), \
         "the image build must verify that torch/vllm are absent"
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    direct = project["dependencies"] + project["optional-dependencies"]["gateway"]
-    closure = _closure(direct, {"gateway"})
+    extras = project["optional-dependencies"]
+    direct = project["dependencies"] + extras["gateway"] + extras["otel"]
+    closure = _closure(direct, {"gateway", "otel"})
     assert "fastapi" in closure and "redis" in closure  # the walk does reach dependencies
     assert closure.isdisjoint(HEAVY), sorted(closure & HEAVY)
 

@@ -30,6 +30,7 @@ from gateway.limits import Admission
 from gateway.proxy import Turn
 from gateway.scoping import Head, Prepared, prepare_inference, prescan, scrub
 from gateway.stream_meter import StreamMeter, prompt_estimate
+from gateway.tracing import span
 from gateway.upstream import EngineUnreachable, UpstreamBroken, UpstreamResponse, UpstreamStream
 from shared import engine_api
 from shared.engine_api import LATCH_HEADER
@@ -138,9 +139,11 @@ async def proxy_inference(request: Request, path: str) -> Response:
         if adm.evicted:  # the engines' copies are harmless (never bridged) but use memory
             svc.engines.forget_latches_soon(tenant.id, adm.evicted)
         turn = Turn(svc, adm, head, prep, body, path)
-        if head.stream:
-            return await _stream(turn)
-        return await _unary(turn)
+        # A stream's span ends once the engine's answer has started (headers relayed).
+        with span("proxy", tenant_id=tenant.id, stream=head.stream):
+            if head.stream:
+                return await _stream(turn)
+            return await _unary(turn)
     except APIError as exc:
         _settle(svc, adm, exc.status, 0, None)
         exc.headers = {**adm.headers, **exc.headers}

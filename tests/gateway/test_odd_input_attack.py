@@ -97,6 +97,9 @@ def test_admin_cannot_create_a_tenant_whose_id_ends_in_a_newline(
         (inline({"²": [0.5] * HIDDEN}), "steering.vectors[0].layers.²"),
         (inline({"١": [0.5] * HIDDEN}), "steering.vectors[0].layers.١"),
         (inline({"01": [0.5] * HIDDEN}), "steering.vectors[0].layers.01"),
+        # an unhashable hook was a 500 (TypeError) in the pre-admission scan
+        (inline(hook=["post_block"]), "steering.vectors[0].hook"),
+        (inline(hook={"a": 1}), "steering.vectors[0].hook"),
     ],
 )
 def test_bad_numbers_are_a_400_naming_the_field(
