@@ -3,10 +3,14 @@
 Starts a real redis-server, a fast mock upstream (raw ASGI under uvicorn, its own
 process) and the gateway (``steergate gateway``, its own process); then measures
   * added latency p50/p99 at concurrency 1: gateway -> mock vs mock directly,
+  * added time to first byte of a stream (the first SSE event) at concurrency 1,
   * throughput through the gateway at concurrency 32,
-  * Redis commands per request (INFO commandstats delta / requests).
+  * Redis commands per request (INFO commandstats delta / requests),
+and the same latency, TTFB and throughput with the embedded store (no ``REDIS_URL``:
+fakeredis in the gateway process).
 
     .venv/bin/python bench/gateway_overhead.py [--requests 2000] [--seconds 10]
+        [--store redis|embedded|both]
 """
 
 from __future__ import annotations
@@ -38,8 +42,22 @@ INFO = (
 )
 
 
+#: A stream: the first event at once, then four more and the usage chunk.
+EVENT = (
+    b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":'
+    b'[{"index":0,"delta":{"content":"ok"},"finish_reason":null}]}\n\n'
+)
+STREAM_TAIL = (
+    EVENT * 4
+    + b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[],'
+    b'"usage":{"prompt_tokens":5,"completion_tokens":5,"total_tokens":10}}\n\n'
+    b"data: [DONE]\n\n"
+)
+
+
 async def mock_app(scope, receive, send):  # type: ignore[no-untyped-def]
-    """The fastest plausible engine: a fixed answer, no parsing."""
+    """The fastest plausible engine: a fixed answer, no parsing (a stream when the body
+    asks for one)."""
     if scope["type"] == "lifespan":
         while True:
             msg = await receive()
@@ -48,8 +66,26 @@ async def mock_app(scope, receive, send):  # type: ignore[no-untyped-def]
             else:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
-    while (await receive()).get("more_body"):
-        pass
+    raw = b""
+    while True:
+        msg = await receive()
+        raw += msg.get("body", b"")
+        if not msg.get("more_body"):
+            break
+    if b'"stream":true' in raw:
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"text/event-stream"),
+                    (b"x-steering-latch", b"none"),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": EVENT, "more_body": True})
+        await send({"type": "http.response.body", "body": STREAM_TAIL})
+        return
     body = (
         INFO
         if scope["path"] == "/v1/steering/info"
@@ -79,10 +115,17 @@ class RawClient:
     generator tops out near 300 req/s on this box (it would measure itself); this
     costs a few microseconds a request, so the figures are the servers'."""
 
-    def __init__(self, port: int, path: str, headers: dict[str, str]) -> None:
-        body = orjson.dumps(
-            {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 1}
-        )
+    def __init__(
+        self, port: int, path: str, headers: dict[str, str], stream: bool = False
+    ) -> None:
+        doc: dict[str, object] = {
+            "model": "m",
+            "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": 1,
+        }
+        if stream:
+            doc["stream"] = True
+        body = orjson.dumps(doc)
         head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
         self.request = (
             f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
@@ -106,9 +149,35 @@ class RawClient:
         await self.reader.readexactly(length)
         return status
 
+    async def first_event(self) -> float:
+        """Send a stream request; seconds to its first SSE event (then drain the
+        chunked body to its end)."""
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
+        assert self.reader is not None
+        t0 = time.perf_counter()
+        self.writer.write(self.request)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        assert int(head[9:12]) == 200, head
+        seen = await self.reader.readuntil(b"\n\n")  # chunk size line + first event
+        took = time.perf_counter() - t0
+        while not seen.endswith(b"0\r\n\r\n"):
+            seen += await self.reader.read(65536)
+        return took
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+async def ttfb(port: int, path: str, headers: dict[str, str], n: int) -> list[float]:
+    """Milliseconds to the first SSE event of ``n`` streams, one at a time."""
+    c = RawClient(port, path, headers, stream=True)
+    for _ in range(20):
+        await c.first_event()
+    out = [await c.first_event() * 1000 for _ in range(n)]
+    c.close()
+    return out
 
 
 async def latencies(port: int, path: str, headers: dict[str, str], n: int) -> list[float]:
@@ -169,116 +238,137 @@ def redis_calls(port: int) -> dict[str, int]:
     return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--requests", type=int, default=2000)
-    ap.add_argument("--seconds", type=float, default=10.0)
-    ap.add_argument("--concurrency", type=int, default=32)
-    args = ap.parse_args()
-
-    from tests.harness import RedisProcess, free_port, wait_port
-
-    redis_proc = RedisProcess().start()
-    mock_port, gw_port = free_port(), free_port()
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "uvicorn",
-                "bench.gateway_overhead:mock_app",
-                "--port",
-                str(mock_port),
-                "--log-level",
-                "warning",
-                "--no-access-log",
-                "--loop",
-                "uvloop",
-                "--http",
-                "httptools",
-            ],
-            cwd=ROOT,
-        )
-    ]
+def start_gateway(port: int, mock_port: int, redis_url: str | None) -> subprocess.Popen:
     env = {
         **os.environ,
-        "REDIS_URL": redis_proc.url,
         "STEERGATE_ENGINE_URLS": f"http://127.0.0.1:{mock_port}",
         "STEERGATE_ENGINE_TOKEN": "bench",
         "STEERGATE_ADMIN_KEY": "bench-admin",
         "STEERGATE_KEY_PEPPER": "bench-pepper",
     }
-    procs.append(
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "shared.cli",
-                "gateway",
-                "--port",
-                str(gw_port),
-                "--log-level",
-                "warning",
-            ],
-            cwd=ROOT,
-            env=env,
-        )
-    )
+    env.pop("REDIS_URL", None)
+    if redis_url:
+        env["REDIS_URL"] = redis_url
+    cmd = [sys.executable, "-m", "shared.cli", "gateway", "--port", str(port)]
+    return subprocess.Popen([*cmd, "--log-level", "warning"], cwd=ROOT, env=env)
+
+
+LIMITS = {"rpm": 10**9, "tpm": 10**12, "max_concurrency": 10**4}
+
+
+def tenant_via_admin_api(port: int) -> str:
+    """A tenant and key through the admin API (the embedded store lives in the gateway)."""
+    import httpx
+
+    admin = {"Authorization": "Bearer bench-admin"}
+    base = f"http://127.0.0.1:{port}/admin/tenants"
+    r = httpx.post(base, json={"id": "bench", "limits": LIMITS}, headers=admin)
+    assert r.status_code == 201, r.text
+    r = httpx.post(f"{base}/bench/keys", json={}, headers=admin)
+    assert r.status_code == 201, r.text
+    return str(r.json()["key"])
+
+
+def tenant_in_redis(redis_url: str) -> str:
+    import redis.asyncio as aioredis
+
+    from gateway.tenants import TenantStore
+
+    async def go() -> str:
+        client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+        store = TenantStore(client, "bench-pepper")
+        await store.create("bench", limits=LIMITS, allow_overcommit=True)
+        key = (await store.create_key("bench"))[1]
+        await client.aclose()
+        return key
+
+    return asyncio.run(go())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--store", choices=("redis", "embedded", "both"), default="both")
+    args = ap.parse_args()
+
+    from tests.harness import RedisProcess, free_port, wait_port
+
+    mock_port = free_port()
+    mock = subprocess.Popen(
+        [
+            sys.executable, "-m", "uvicorn", "bench.gateway_overhead:mock_app",
+            "--port", str(mock_port), "--log-level", "warning", "--no-access-log",
+            "--loop", "uvloop", "--http", "httptools",
+        ],
+        cwd=ROOT,
+    )  # fmt: skip
     try:
-        assert wait_port(mock_port, 20) and wait_port(gw_port, 20), "servers did not start"
-        import redis.asyncio as aioredis
-
-        from gateway.tenants import TenantStore
-
-        async def tenant() -> str:
-            client = aioredis.Redis.from_url(redis_proc.url, decode_responses=True)
-            store = TenantStore(client, "bench-pepper")
-            await store.create(
-                "bench",
-                limits={"rpm": 10**9, "tpm": 10**12, "max_concurrency": 10**4},
-                allow_overcommit=True,
-            )
-            key = (await store.create_key("bench"))[1]
-            await client.aclose()
-            return key
-
-        key = asyncio.run(tenant())
-        gh = {"Authorization": f"Bearer {key}"}
+        assert wait_port(mock_port, 20), "mock did not start"
         direct = asyncio.run(latencies(mock_port, CHAT, {}, args.requests))
-        before = redis_calls(redis_proc.port)
-        via = asyncio.run(latencies(gw_port, CHAT, gh, args.requests))
-        time.sleep(0.5)  # let settlement flush
-        after = redis_calls(redis_proc.port)
-        n = args.requests + 50
-        sent = {k: (after.get(k, 0) - before.get(k, 0)) / n for k in after}
+        direct_ttfb = asyncio.run(ttfb(mock_port, CHAT, {}, args.requests // 2))
         direct_rps, _ = asyncio.run(
             throughput(mock_port, CHAT, {}, args.seconds / 2, args.concurrency)
         )
-        cpu0 = cpu_seconds(procs[1].pid)
-        t0 = time.perf_counter()
-        rps, errors = asyncio.run(throughput(gw_port, CHAT, gh, args.seconds, args.concurrency))
-        gw_cpu_us = (cpu_seconds(procs[1].pid) - cpu0) / (rps * (time.perf_counter() - t0)) * 1e6
         d50, d99 = statistics.median(direct), pct(direct, 99)
-        g50, g99 = statistics.median(via), pct(via, 99)
-        print(f"direct  p50 {d50:.3f} ms  p99 {d99:.3f} ms")
-        print(f"gateway p50 {g50:.3f} ms  p99 {g99:.3f} ms")
-        print(f"added   p50 {g50 - d50:.3f} ms  p99 {g99 - d99:.3f} ms")
-        print(
-            f"throughput c={args.concurrency}: {rps:.0f} req/s ({errors} errors); "
-            f"same client straight to the mock: {direct_rps:.0f} req/s"
-        )
-        print(f"gateway process CPU per request at c={args.concurrency}: {gw_cpu_us:.0f} us")
-        inside = sum(v for k, v in sent.items() if k not in SENT_BY_CLIENT)
-        print(
-            "redis per request (c=1): "
-            + ", ".join(f"{k} {v:.2f}" for k, v in sorted(sent.items()) if k in SENT_BY_CLIENT)
-            + f"; commands run inside those scripts: {inside:.2f}"
-        )
+        t50, t99 = statistics.median(direct_ttfb), pct(direct_ttfb, 99)
+        print(f"direct  p50 {d50:.3f} ms  p99 {d99:.3f} ms; stream TTFB p50 {t50:.3f} ms  "
+              f"p99 {t99:.3f} ms; c={args.concurrency} {direct_rps:.0f} req/s")  # fmt: skip
+        stores = ("redis", "embedded") if args.store == "both" else (args.store,)
+        for store in stores:
+            redis_proc = RedisProcess().start() if store == "redis" else None
+            gw_port = free_port()
+            gw = start_gateway(gw_port, mock_port, redis_proc.url if redis_proc else None)
+            try:
+                assert wait_port(gw_port, 30), "gateway did not start"
+                key = (
+                    tenant_in_redis(redis_proc.url) if redis_proc else tenant_via_admin_api(gw_port)
+                )
+                gh = {"Authorization": f"Bearer {key}"}
+                before = redis_calls(redis_proc.port) if redis_proc else {}
+                via = asyncio.run(latencies(gw_port, CHAT, gh, args.requests))
+                time.sleep(0.5)  # let settlement flush
+                after = redis_calls(redis_proc.port) if redis_proc else {}
+                n = args.requests + 50
+                sent = {k: (after.get(k, 0) - before.get(k, 0)) / n for k in after}
+                via_ttfb = asyncio.run(ttfb(gw_port, CHAT, gh, args.requests // 2))
+                cpu0 = cpu_seconds(gw.pid)
+                t0 = time.perf_counter()
+                rps, errors = asyncio.run(
+                    throughput(gw_port, CHAT, gh, args.seconds, args.concurrency)
+                )
+                took = time.perf_counter() - t0
+                gw_cpu_us = (cpu_seconds(gw.pid) - cpu0) / (rps * took) * 1e6
+                g50, g99 = statistics.median(via), pct(via, 99)
+                s50, s99 = statistics.median(via_ttfb), pct(via_ttfb, 99)
+                print(f"[{store} store]")
+                print(f"gateway p50 {g50:.3f} ms  p99 {g99:.3f} ms")
+                print(f"added   p50 {g50 - d50:.3f} ms  p99 {g99 - d99:.3f} ms")
+                print(f"stream TTFB via gateway p50 {s50:.3f} ms  p99 {s99:.3f} ms; "
+                      f"added p50 {s50 - t50:.3f} ms  p99 {s99 - t99:.3f} ms")  # fmt: skip
+                print(
+                    f"throughput c={args.concurrency}: {rps:.0f} req/s ({errors} errors); "
+                    f"same client straight to the mock: {direct_rps:.0f} req/s"
+                )
+                print(f"gateway CPU per request at c={args.concurrency}: {gw_cpu_us:.0f} us")
+                if redis_proc:
+                    inside = sum(v for k, v in sent.items() if k not in SENT_BY_CLIENT)
+                    print(
+                        "redis per request (c=1): "
+                        + ", ".join(
+                            f"{k} {v:.2f}" for k, v in sorted(sent.items()) if k in SENT_BY_CLIENT
+                        )
+                        + f"; commands run inside those scripts: {inside:.2f}"
+                    )
+            finally:
+                gw.terminate()
+                gw.wait(10)
+                if redis_proc:
+                    redis_proc.stop()
     finally:
-        for p in procs:
-            p.terminate()
-            p.wait(10)
-        redis_proc.stop()
+        mock.terminate()
+        mock.wait(10)
     return 0
 
 
