@@ -7,6 +7,8 @@ Only masked key prefixes are ever rendered here; the one full key the CLI prints
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Any
@@ -68,12 +70,62 @@ def tenant_table(tenants: list[dict[str, Any]], title: str) -> Table:
 
 def key_table(keys: list[dict[str, Any]], title: str) -> Table:
     table = Table(title=title, title_justify="left")
-    for col in ("key id", "key", "created"):
-        table.add_column(col, no_wrap=True)
+    for col in ("key id", "name", "key", "scopes", "limits", "created", "expires", "last used"):
+        table.add_column(col, no_wrap=col not in ("name", "scopes"))
+    now = time.time()
     for k in keys:
+        limits = k.get("limits") or {}
+        shown = [
+            f"{name} {limits[name]}" for name in ("rpm", "max_concurrency") if limits.get(name)
+        ]
+        expires = k.get("expires_at")
+        expiry = fmt_time(expires) if expires else "never"
+        if isinstance(expires, (int, float)) and expires <= now:
+            expiry += " (expired)"
+        if k.get("previous_expires_at"):
+            expiry += f"; old secret until {fmt_time(k['previous_expires_at'])}"
         # Only the display prefix exists server-side; show it masked like OpenAI does.
         table.add_row(
-            str(k.get("key_id")), f"{k.get('prefix', '')}…", fmt_time(k.get("created_at"))
+            str(k.get("key_id")),
+            str(k.get("name") or ""),
+            f"{k.get('prefix', '')}…",
+            ", ".join(k.get("scopes") or []) or "-",
+            ", ".join(shown) or "tenant's",
+            fmt_time(k.get("created_at")),
+            expiry,
+            fmt_time(k.get("last_used_at")) if k.get("last_used_at") else "never",
+        )
+    return table
+
+
+def admin_key_table(keys: list[dict[str, Any]], title: str) -> Table:
+    table = Table(title=title, title_justify="left")
+    for col in ("key id", "name", "role", "key", "created", "created by"):
+        table.add_column(col, no_wrap=col != "name")
+    for k in keys:
+        table.add_row(
+            str(k.get("key_id")),
+            str(k.get("name") or ""),
+            str(k.get("role")),
+            f"{k.get('prefix', '')}…",
+            fmt_time(k.get("created_at")),
+            str(k.get("created_by") or "-"),
+        )
+    return table
+
+
+def audit_table(entries: list[dict[str, Any]], title: str) -> Table:
+    table = Table(title=title, title_justify="left")
+    for col in ("time", "actor", "action", "target", "fields"):
+        table.add_column(col, no_wrap=col != "fields")
+    for e in entries:
+        fields = e.get("fields") or {}
+        table.add_row(
+            fmt_time(e.get("time")),
+            f"{e.get('actor')} ({e.get('role')})" if e.get("role") else str(e.get("actor")),
+            str(e.get("action")),
+            str(e.get("target")),
+            json.dumps(fields, separators=(",", ":"), sort_keys=True) if fields else "",
         )
     return table
 

@@ -16,7 +16,9 @@ commands:
   up [--model PATH_OR_HF_ID]                                 engine + gateway + demo tenant
   tiny-model DIR                                             write a small random Llama
   tenant create|list|show|update|delete ...                  admin: tenants (delete: --yes)
-  key create|list|revoke ...                                 admin: API keys
+  key create|list|revoke|rotate ...                          admin: API keys
+  admin-key create|list|revoke ...                           admin: admin/viewer keys
+  audit [--since WHEN] [--limit N]                           admin: the audit log
   usage [TENANT]                                             admin: usage tables
 
 Every command takes --help (e.g. `steergate tenant create --help`). The admin
@@ -31,6 +33,8 @@ COMMANDS: dict[str, str] = {
     "up": "gateway.up:main",
     "tenant": "gateway.admin_cli:tenant_main",
     "key": "gateway.admin_cli:key_main",
+    "admin-key": "gateway.admin_cli:admin_key_main",
+    "audit": "gateway.admin_cli:audit_main",
     "usage": "gateway.admin_cli:usage_main",
 }
 

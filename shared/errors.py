@@ -114,7 +114,8 @@ _CODES = (
        "the key's `scopes` do not include the route's scope (`inference`, `vectors`, "
        "`latches`, `usage`)"),
     _e("permission_denied", 403, _N, _GW,
-       "a tenant key on an `/admin/*` route, `/metrics` or `/openapi.json`"),
+       "a tenant key on an `/admin/*` route, `/metrics` or `/openapi.json`; a `viewer` admin "
+       "key on anything but a GET"),
     _e("not_found", 404, _N, _BOTH, "no such route (`Invalid URL (METHOD /path)`), or a "
        "dashboard file that does not exist"),
     _e("model_not_found", 404, _N, _BOTH, "`model` (or `GET /v1/models/{id}`) names a model the "

@@ -1,10 +1,14 @@
-"""The admin API (contract §3): tenants, their keys, everyone's usage, the engines.
+"""The admin API (contract §3): tenants, their keys, admin keys, the audit log,
+everyone's usage, the engines.
 
-Every route needs the admin key (``AdminDep``: compared in constant time; a tenant
-key is 403, no or an unknown key 401). Decisions about limits — validation, the
-overcommit 409 — are ``TenantStore``'s, so the CLI, ``steergate up`` and this API
-can never disagree. Bodies are parsed by hand rather than by FastAPI models so that
-every 400 is OpenAI-shaped and names its field (``param``).
+Every route needs an admin key (``require_admin`` on the router: the bootstrap
+``STEERGATE_ADMIN_KEY``, compared in constant time, or a key from ``POST
+/admin/keys``; a ``viewer`` key may only GET; a tenant key is 403, no or an unknown
+key 401). Decisions about limits — validation, the overcommit 409 — are
+``TenantStore``'s, so the CLI, ``steergate up`` and this API can never disagree.
+Bodies are parsed by hand rather than by FastAPI models so that every 400 is
+OpenAI-shaped and names its field (``param``). Every write is recorded in the audit
+log (``gateway/audit.py``) after it succeeded.
 """
 
 from __future__ import annotations
@@ -18,12 +22,24 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
-from gateway import usage
+from gateway import audit, usage
 from gateway.auth import require_admin
 from gateway.deps import get_services
 from gateway.engines import EngineClient
 from gateway.overview import capacity, engine_statuses
-from gateway.tenants import Limits, Tenant, TenantStore
+from gateway.tenants import (
+    ADMIN_ROLES,
+    DEFAULT_GRACE_S,
+    KEY_FIELDS,
+    MAX_GRACE_S,
+    SCOPES,
+    AdminKey,
+    KeyLimits,
+    Limits,
+    Tenant,
+    TenantStore,
+)
+from shared import request_id
 from shared.errors import APIError, InvalidField
 from shared.jsondepth import check_json_depth
 from shared.scoping import check_tenant_id
@@ -77,8 +93,81 @@ def _body_doc(model: type[BaseModel]) -> dict[str, Any]:
     }
 
 
+class KeyCreateBody(BaseModel):
+    """``POST /admin/tenants/{id}/keys`` (documentation only; every field optional)."""
+
+    name: str = Field(default="", max_length=200)
+    expires_at: float | None = Field(
+        default=None, description="unix seconds; past it the key is 401 expired_api_key"
+    )
+    scopes: list[str] = Field(
+        default=list(SCOPES), description=f"any of {', '.join(SCOPES)}; default all"
+    )
+    limits: KeyLimits = Field(
+        default_factory=KeyLimits, description="rpm, max_concurrency: each <= the tenant's"
+    )
+
+
+class KeyRotateBody(BaseModel):
+    """``POST /admin/keys/{key_id}/rotate``."""
+
+    grace_s: int = Field(
+        default=DEFAULT_GRACE_S,
+        ge=0,
+        le=MAX_GRACE_S,
+        description="seconds the old secret keeps working",
+    )
+
+
+class AdminKeyCreateBody(BaseModel):
+    """``POST /admin/keys``."""
+
+    role: str = Field(description=" or ".join(ADMIN_ROLES))
+    name: str = Field(default="", max_length=200)
+
+
 def _store(request: Request) -> TenantStore:
     return get_services(request).tenants
+
+
+def _actor(request: Request) -> AdminKey:
+    """The admin key of this request (set by ``require_admin``, the router's dependency)."""
+    actor: AdminKey = request.state.admin
+    return actor
+
+
+async def _audit(
+    request: Request, action: str, target: str, fields: dict[str, Any] | None = None
+) -> None:
+    """Record an admin write (after it succeeded). Never pass a secret or a hash."""
+    actor = _actor(request)
+    await _store(request).audit.record(
+        actor=actor.key_id,
+        role=actor.role,
+        action=action,
+        target=target,
+        fields=fields,
+        request_id=request_id.current(),
+    )
+
+
+def _only(body: dict[str, Any], allowed: frozenset[str] | set[str]) -> None:
+    for field in body:
+        if field not in allowed:
+            raise InvalidField(str(field), f"unknown field '{field}'")
+
+
+def _changes(before: dict[str, Any], after: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"limits.rpm": [old, new], ...}: what an update changed, as dotted paths."""
+    out: dict[str, Any] = {}
+    for name in sorted(set(before) | set(after)):
+        old, new = before.get(name), after.get(name)
+        path = f"{prefix}{name}"
+        if isinstance(old, dict) and isinstance(new, dict):
+            out.update(_changes(old, new, path + "."))
+        elif old != new:
+            out[path] = [old, new]
+    return out
 
 
 def _engines(request: Request) -> EngineClient:
@@ -134,7 +223,11 @@ async def create_tenant(request: Request) -> JSONResponse:
         allow_overcommit=bool(body.get("allow_overcommit", False)),
     )
     log.info("tenant %s created", tenant.id)
-    return JSONResponse(_public(tenant), status_code=201)
+    public = _public(tenant)
+    await _audit(
+        request, "tenant.create", tenant.id, {k: v for k, v in public.items() if k != "id"}
+    )
+    return JSONResponse(public, status_code=201)
 
 
 @router.get("/tenants")
@@ -154,9 +247,13 @@ async def update_tenant(tenant_id: str, request: Request) -> dict[str, Any]:
     if "id" in body and body["id"] != tenant_id:
         raise InvalidField("id", "a tenant's id cannot be changed")
     body.pop("id", None)
-    tenant = await _store(request).update(tenant_id, body)
+    store = _store(request)
+    before = await store.require(tenant_id)
+    tenant = await store.update(tenant_id, body)
     log.info("tenant %s updated", tenant_id)
-    return _public(tenant)
+    public = _public(tenant)
+    await _audit(request, "tenant.update", tenant_id, _changes(_public(before), public))
+    return public
 
 
 @router.delete("/tenants/{tenant_id}", status_code=204)
@@ -168,21 +265,34 @@ async def delete_tenant(tenant_id: str, request: Request) -> Response:
     if metrics is not None:
         metrics.forget_tenant(tenant_id)
     log.info("tenant %s deleted", tenant_id)
+    await _audit(request, "tenant.delete", tenant_id)
     return Response(status_code=204)
 
 
 # ------------------------------------------------------------------------- keys
 
 
-@router.post("/tenants/{tenant_id}/keys", status_code=201)
+@router.post("/tenants/{tenant_id}/keys", status_code=201, openapi_extra=_body_doc(KeyCreateBody))
 async def create_key(tenant_id: str, request: Request) -> JSONResponse:
-    await _json_object(request)  # accepted and ignored: keys have no options yet
-    key_id, key, prefix = await _store(request).create_key(tenant_id)
-    log.info("key %s created for tenant %s", key_id, tenant_id)
+    body = await _json_object(request)
+    _only(body, KEY_FIELDS)
+    info, key = await _store(request).create_key_info(
+        tenant_id,
+        name=body.get("name"),
+        expires_at=body.get("expires_at"),
+        scopes=body.get("scopes"),
+        limits=body.get("limits"),
+    )
+    log.info("key %s created for tenant %s", info.key_id, tenant_id)
+    public = info.public()
+    await _audit(
+        request,
+        "key.create",
+        info.key_id,
+        {k: public[k] for k in ("tenant_id", "name", "scopes", "limits", "expires_at")},
+    )
     return JSONResponse(
-        {"key_id": key_id, "key": key, "prefix": prefix, "tenant_id": tenant_id},
-        status_code=201,
-        headers={"Cache-Control": "no-store"},
+        {"key": key, **public}, status_code=201, headers={"Cache-Control": "no-store"}
     )
 
 
@@ -191,12 +301,99 @@ async def list_keys(tenant_id: str, request: Request) -> dict[str, Any]:
     return {"keys": [k.public() for k in await _store(request).list_keys(tenant_id)]}
 
 
+@router.post("/keys/{key_id}/rotate", openapi_extra=_body_doc(KeyRotateBody))
+async def rotate_key(key_id: str, request: Request) -> JSONResponse:
+    body = await _json_object(request)
+    _only(body, {"grace_s"})
+    grace = body.get("grace_s", DEFAULT_GRACE_S)
+    if isinstance(grace, bool) or not isinstance(grace, int) or not 0 <= grace <= MAX_GRACE_S:
+        raise InvalidField(
+            "grace_s", f"'grace_s' must be an integer from 0 to {MAX_GRACE_S} (7 days)"
+        )
+    rotated = await _store(request).rotate_key(key_id, grace)
+    if rotated is None:
+        raise APIError("key_not_found", f"no key '{key_id}'", param="key_id")
+    info, key = rotated
+    log.info("key %s rotated (grace %d s)", key_id, grace)
+    public = info.public()
+    await _audit(
+        request,
+        "key.rotate",
+        key_id,
+        {
+            "tenant_id": info.tenant_id,
+            "grace_s": grace,
+            "previous_expires_at": public["previous_expires_at"],
+        },
+    )
+    return JSONResponse(
+        {"key": key, "grace_s": grace, **public}, headers={"Cache-Control": "no-store"}
+    )
+
+
 @router.delete("/keys/{key_id}", status_code=204)
 async def revoke_key(key_id: str, request: Request) -> Response:
-    if not await _store(request).revoke_key(key_id):
+    """A tenant key or an admin key, by its id (``key_…`` / ``adm_…``)."""
+    store = _store(request)
+    tenant_id = await store.revoke_key(key_id)
+    if tenant_id is not None:
+        log.info("key %s revoked", key_id)
+        await _audit(request, "key.revoke", key_id, {"tenant_id": tenant_id})
+        return Response(status_code=204)
+    admin = await store.revoke_admin_key(key_id)
+    if admin is None:
         raise APIError("key_not_found", f"no key '{key_id}'", param="key_id")
-    log.info("key %s revoked", key_id)
+    log.info("admin key %s revoked", key_id)
+    await _audit(request, "admin_key.revoke", key_id, {"role": admin.role, "name": admin.name})
     return Response(status_code=204)
+
+
+# ------------------------------------------------------------------------- admin keys
+
+
+@router.post("/keys", status_code=201, openapi_extra=_body_doc(AdminKeyCreateBody))
+async def create_admin_key(request: Request) -> JSONResponse:
+    body = await _json_object(request)
+    _only(body, {"role", "name"})
+    role = body.get("role")
+    if role not in ADMIN_ROLES:
+        raise InvalidField("role", f"'role' is required: one of {', '.join(ADMIN_ROLES)}")
+    name = body.get("name") or ""
+    if not isinstance(name, str) or len(name) > MAX_NAME:
+        raise InvalidField("name", f"'name' must be a string of at most {MAX_NAME} characters")
+    admin, key = await _store(request).create_admin_key(
+        role, name=name, created_by=_actor(request).key_id
+    )
+    log.info("admin key %s created (role %s)", admin.key_id, role)
+    await _audit(request, "admin_key.create", admin.key_id, {"role": role, "name": name})
+    return JSONResponse(
+        {"key": key, **admin.public()}, status_code=201, headers={"Cache-Control": "no-store"}
+    )
+
+
+@router.get("/keys")
+async def list_admin_keys(request: Request) -> dict[str, Any]:
+    return {"keys": [k.public() for k in await _store(request).list_admin_keys()]}
+
+
+# ------------------------------------------------------------------------- audit
+
+
+@router.get("/audit")
+async def audit_log(
+    request: Request,
+    since: float | None = Query(
+        default=None,
+        ge=0,
+        allow_inf_nan=False,
+        description="only entries at or after this time (unix seconds)",
+    ),
+    limit: int = Query(
+        default=audit.DEFAULT_LIMIT, ge=1, le=audit.MAX_LIMIT, description="at most this many"
+    ),
+) -> dict[str, Any]:
+    """Admin writes, newest first."""
+    return {"entries": await _store(request).audit.read(since=since, limit=limit)}
 
 
 # ------------------------------------------------------------------------- usage, engines

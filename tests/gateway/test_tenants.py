@@ -34,7 +34,18 @@ async def test_key_is_random_256_bit_and_only_its_hmac_is_stored(store: TenantSt
     assert (await store.resolve_key(key)).id == "acme"  # type: ignore[union-attr]
     listed = await store.list_keys("acme")
     assert [k.public() for k in listed] == [
-        {"key_id": key_id, "prefix": prefix, "created_at": listed[0].created_at}
+        {
+            "key_id": key_id,
+            "tenant_id": "acme",
+            "name": "",
+            "prefix": prefix,
+            "scopes": ["inference", "vectors", "latches", "usage"],
+            "limits": {"rpm": None, "max_concurrency": None},
+            "created_at": listed[0].created_at,
+            "expires_at": None,
+            "last_used_at": None,
+            "previous_expires_at": None,
+        }
     ]
 
 
@@ -44,9 +55,9 @@ async def test_unknown_malformed_and_revoked_keys_resolve_to_none(store: TenantS
     assert await store.resolve_key("sk-sg-" + "A" * 43) is None
     assert await store.resolve_key("not-a-key") is None
     assert await store.resolve_key(key) is not None
-    assert await store.revoke_key(key_id) is True
+    assert await store.revoke_key(key_id) == "acme"
     assert await store.resolve_key(key) is None
-    assert await store.revoke_key(key_id) is False
+    assert await store.revoke_key(key_id) is None
 
 
 async def test_cache_salt_is_never_in_the_public_dump(store: TenantStore) -> None:
