@@ -127,6 +127,48 @@ def test_rpm_is_exact_across_three_replicas_under_concurrency(fleet: Any) -> Non
     assert codes.count(200) == 30 and codes.count(429) == 60, codes
 
 
+def test_per_key_rpm_is_exact_across_replicas_and_budgets_refuse_on_all(fleet: Any) -> None:
+    """Issue 13: a key's own rpm is decided in the same admission script as the
+    tenant's, so it is exact across gateway processes; a spent token budget is refused
+    by every replica with x-should-retry: false."""
+    gateways, _ = fleet
+    tenant(gateways[0], "perkey", rpm=1000, max_concurrency=1000, tpm=10**8)
+    r = httpx.post(
+        gateways[0].url + "/admin/tenants/perkey/keys",
+        headers=ADMIN,
+        json={"name": "ci", "limits": {"rpm": 12}},
+    )
+    assert r.status_code == 201, r.text
+    limited = r.json()["key"]
+    responses = asyncio.run(_fire([(gateways[i % 3].url, limited, body()) for i in range(60)]))
+    codes = [x.status_code for x in responses]
+    assert codes.count(200) == 12 and codes.count(429) == 48, codes
+    assert {x.json()["error"]["code"] for x in responses if x.status_code == 429} == {
+        "rate_limit_exceeded"
+    }
+
+    key = tenant(gateways[0], "budget", rpm=1000, max_concurrency=1000, tpm=10**8)
+    patch = {"limits": {"token_budget": {"tokens": 20, "period": "day"}}}
+    r = httpx.patch(gateways[0].url + "/admin/tenants/budget", headers=ADMIN, json=patch)
+    assert r.status_code == 200, r.text
+
+    def spent() -> bool:
+        r = httpx.post(
+            gateways[0].url + "/v1/chat/completions",
+            json=body(),
+            headers={"Authorization": f"Bearer {key}"},
+        )
+        return r.status_code == 429
+
+    wait_until(spent, 10)  # each answer is a few tokens: the budget runs out
+    for g in gateways:
+        r = httpx.post(
+            g.url + "/v1/chat/completions", json=body(), headers={"Authorization": f"Bearer {key}"}
+        )
+        assert r.status_code == 429 and r.json()["error"]["code"] == "budget_exceeded"
+        assert r.headers["x-should-retry"] == "false" and int(r.headers["retry-after"]) > 0
+
+
 def test_latch_quota_is_exact_across_replicas(fleet: Any) -> None:
     gateways, engines = fleet
     key = tenant(gateways[0], "latch", latch_count=5, rpm=100_000, max_concurrency=1000, tpm=10**8)
