@@ -249,7 +249,7 @@ def start_gateway(port: int, mock_port: int, redis_url: str | None) -> subproces
     env.pop("REDIS_URL", None)
     if redis_url:
         env["REDIS_URL"] = redis_url
-    cmd = [sys.executable, "-m", "shared.cli", "gateway", "--port", str(port)]
+    cmd = [sys.executable, "-m", "steergate.shared.cli", "gateway", "--port", str(port)]
     return subprocess.Popen([*cmd, "--log-level", "warning"], cwd=ROOT, env=env)
 
 
@@ -271,8 +271,7 @@ def tenant_via_admin_api(port: int) -> str:
 
 def tenant_in_redis(redis_url: str) -> str:
     import redis.asyncio as aioredis
-
-    from gateway.tenants import TenantStore
+    from steergate.gateway.tenants import TenantStore
 
     async def go() -> str:
         client = aioredis.Redis.from_url(redis_url, decode_responses=True)

@@ -14,8 +14,7 @@ import statistics
 import time
 
 import numpy as np
-
-from engine.latch import Latch, LatchController, RefTerm
+from steergate.engine.latch import Latch, LatchController, RefTerm
 
 
 def run(hidden: int, ops: int, max_count: int, max_bytes: int) -> dict[str, float]:

@@ -27,8 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _payloads(n: int, hidden: int, layers: int, hooks: list[str]) -> list[str]:
     import numpy as np
-
-    from engine.payload import encode_payload
+    from steergate.engine.payload import encode_payload
 
     rng = np.random.default_rng(0)
     out = []
@@ -43,8 +42,7 @@ def _micro(hidden: int, sites: int, tokens: int, iters: int = 2000) -> None:
     """The op alone, per forward (all sites), for one decode step of ``tokens`` tokens:
     idle (no live table: the CPU early exit) and active (every token its own slot)."""
     import torch
-
-    from engine.worker import op
+    from steergate.engine.worker import op
 
     tables = [torch.zeros(tokens + 1, hidden, dtype=torch.bfloat16) for _ in range(sites)]
     index = torch.arange(1, tokens + 1)
@@ -83,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     sys.path.insert(0, str(ROOT))
 
-    from engine.tiny_model import generate
+    from steergate.engine.tiny_model import generate
 
     tmp = tempfile.TemporaryDirectory(prefix="sg-bench-")
     model = args.model or str(generate(

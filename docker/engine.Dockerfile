@@ -21,7 +21,8 @@ RUN apt-get update \
 RUN useradd --create-home --uid 10001 steergate
 WORKDIR /app
 
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
+COPY steergate ./steergate
 COPY shared ./shared
 COPY engine ./engine
 RUN pip install ".[engine-cpu]"

@@ -11,7 +11,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 RUN useradd --create-home --uid 10001 steergate
 WORKDIR /app
 
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
+COPY steergate ./steergate
 COPY shared ./shared
 COPY gateway ./gateway
 RUN pip install ".[gateway,otel]" \

@@ -24,9 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
-
-from shared.engine_api import LatchState
-from shared.latch_spec import LatchSpec, latch_digest
+from steergate.shared.engine_api import LatchState
+from steergate.shared.latch_spec import LatchSpec, latch_digest
 
 log = logging.getLogger("steergate.latch")
 

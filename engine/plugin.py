@@ -20,8 +20,7 @@ def register() -> None:
     if _done:
         return
     import vllm
-
-    from engine.worker import compile_tag, contract, op, runner, runner_v2  # noqa: F401  (op: registers steergate::steer)
+    from steergate.engine.worker import compile_tag, contract, op, runner, runner_v2  # noqa: F401  (op: registers steergate::steer)
 
     contract.raise_if(
         f"vLLM {vllm.__version__} does not match the steering adapter",

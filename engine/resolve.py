@@ -13,13 +13,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
-
-from engine.latch import Latch, LatchController, RefTerm, Site
-from engine.registry import VectorRegistry
-from shared.engine_api import LatchState
-from shared.errors import APIError, InvalidField
-from shared.latch_spec import LatchSpec, accumulate, sum_inline
-from shared.steering import InlineTerm, NamedTerm, SteeringRequest, check_sites_finite
+from steergate.engine.latch import Latch, LatchController, RefTerm, Site
+from steergate.engine.registry import VectorRegistry
+from steergate.shared.engine_api import LatchState
+from steergate.shared.errors import APIError, InvalidField
+from steergate.shared.latch_spec import LatchSpec, accumulate, sum_inline
+from steergate.shared.steering import InlineTerm, NamedTerm, SteeringRequest, check_sites_finite
 
 
 @dataclass(frozen=True)

@@ -29,13 +29,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis.exceptions import NoScriptError, ResponseError
-
-from gateway import keys
-from gateway.limits import Admission
-from gateway.scripts import Scripts, evalsha
-from gateway.store import Redis, is_cluster
-from gateway.tracing import span
-from shared.engine_api import DROP_STATES, KEEP_STATES
+from steergate.gateway import keys
+from steergate.gateway.limits import Admission
+from steergate.gateway.scripts import Scripts, evalsha
+from steergate.gateway.store import Redis, is_cluster
+from steergate.gateway.tracing import span
+from steergate.shared.engine_api import DROP_STATES, KEEP_STATES
 
 log = logging.getLogger("steergate.gateway.accounting")
 

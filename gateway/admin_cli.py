@@ -22,8 +22,7 @@ from typing import Any
 import httpx
 from rich.console import Console
 from rich.table import Table
-
-from gateway.admin_tables import (
+from steergate.gateway.admin_tables import (
     admin_key_table,
     audit_table,
     capacity_table,
@@ -34,7 +33,7 @@ from gateway.admin_tables import (
     tenant_table,
     usage_table,
 )
-from gateway.units import parse_bytes
+from steergate.gateway.units import parse_bytes
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 LIMIT_FLAGS: dict[str, tuple[str, Callable[[str], int | str]]] = {

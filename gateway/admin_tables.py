@@ -15,8 +15,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
-
-from gateway.units import format_bytes, format_percent
+from steergate.gateway.units import format_bytes, format_percent
 
 QUOTAS: tuple[tuple[str, str, bool], ...] = (
     # usage key, column title, is a byte quantity

@@ -16,17 +16,16 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-
-from gateway import keys, openapi, tracing
-from gateway.accounting import Settler
-from gateway.deps import Services
-from gateway.engine_sync import EngineSync
-from gateway.engines import EngineClient
-from gateway.limits import Limiter
-from gateway.metrics import Metrics
-from gateway.metrics_edge import MetricsMiddleware, record_rejection
-from gateway.middleware import BodyLimitMiddleware
-from gateway.routes import (
+from steergate.gateway import keys, openapi, tracing
+from steergate.gateway.accounting import Settler
+from steergate.gateway.deps import Services
+from steergate.gateway.engine_sync import EngineSync
+from steergate.gateway.engines import EngineClient
+from steergate.gateway.limits import Limiter
+from steergate.gateway.metrics import Metrics
+from steergate.gateway.metrics_edge import MetricsMiddleware, record_rejection
+from steergate.gateway.middleware import BodyLimitMiddleware
+from steergate.gateway.routes import (
     admin,
     dashboard,
     health,
@@ -38,16 +37,16 @@ from gateway.routes import (
     usage_export,
     vectors,
 )
-from gateway.routes import metrics as metrics_route
-from gateway.scripts import Scripts
-from gateway.store import Redis, connect
-from gateway.tenants import TenantStore
-from gateway.upstream import EnginePool
-from shared import request_id
-from shared.errors import APIError, code_for_status, error_body, spec
-from shared.openai_errors import OpenAIErrorMiddleware
-from shared.request_id import RequestIdMiddleware
-from shared.settings import GatewaySettings
+from steergate.gateway.routes import metrics as metrics_route
+from steergate.gateway.scripts import Scripts
+from steergate.gateway.store import Redis, connect
+from steergate.gateway.tenants import TenantStore
+from steergate.gateway.upstream import EnginePool
+from steergate.shared import request_id
+from steergate.shared.errors import APIError, code_for_status, error_body, spec
+from steergate.shared.openai_errors import OpenAIErrorMiddleware
+from steergate.shared.request_id import RequestIdMiddleware
+from steergate.shared.settings import GatewaySettings
 
 log = logging.getLogger("steergate.gateway")
 

@@ -20,9 +20,8 @@ import math
 from typing import Any
 
 import orjson
-
-from gateway import keys
-from gateway.store import Redis, store_errors
+from steergate.gateway import keys
+from steergate.gateway.store import Redis, store_errors
 
 #: Approximate cap on the stream's length (XADD MAXLEN ~).
 MAXLEN = 100_000

@@ -17,11 +17,10 @@ import time
 from typing import Annotated
 
 from fastapi import Depends, Request
-
-from gateway.apikeys import same_secret
-from gateway.tenants import BOOTSTRAP_ADMIN, AdminKey, Tenant
-from gateway.tracing import span
-from shared.errors import APIError
+from steergate.gateway.apikeys import same_secret
+from steergate.gateway.tenants import BOOTSTRAP_ADMIN, AdminKey, Tenant
+from steergate.gateway.tracing import span
+from steergate.shared.errors import APIError
 
 #: (path prefix, scope), first match wins; anything else is ``inference``.
 ROUTE_SCOPES: tuple[tuple[str, str], ...] = (

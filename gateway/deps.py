@@ -6,15 +6,14 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Request
-
-from gateway.accounting import Settler
-from gateway.engine_sync import EngineSync
-from gateway.engines import EngineClient
-from gateway.limits import Limiter
-from gateway.scripts import Scripts
-from gateway.store import Redis
-from gateway.tenants import TenantStore
-from shared.settings import GatewaySettings
+from steergate.gateway.accounting import Settler
+from steergate.gateway.engine_sync import EngineSync
+from steergate.gateway.engines import EngineClient
+from steergate.gateway.limits import Limiter
+from steergate.gateway.scripts import Scripts
+from steergate.gateway.store import Redis
+from steergate.gateway.tenants import TenantStore
+from steergate.shared.settings import GatewaySettings
 
 
 @dataclass

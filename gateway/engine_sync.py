@@ -19,13 +19,12 @@ import time
 from collections import defaultdict
 
 import orjson
-
-from gateway import keys
-from gateway.engines import EngineClient
-from gateway.store import Redis
-from gateway.upstream import Engine
-from shared.errors import APIError
-from shared.scoping import SEPARATOR
+from steergate.gateway import keys
+from steergate.gateway.engines import EngineClient
+from steergate.gateway.store import Redis
+from steergate.gateway.upstream import Engine
+from steergate.shared.errors import APIError
+from steergate.shared.scoping import SEPARATOR
 
 log = logging.getLogger("steergate.gateway.engine_sync")
 

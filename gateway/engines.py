@@ -21,12 +21,11 @@ import logging
 from typing import Any
 
 import orjson
-
-from gateway.upstream import Engine, EnginePool, UpstreamResponse, UpstreamStream
-from shared import engine_api
-from shared.errors import APIError
-from shared.scoping import scope, tenant_prefix
-from shared.steering import ModelShape
+from steergate.gateway.upstream import Engine, EnginePool, UpstreamResponse, UpstreamStream
+from steergate.shared import engine_api
+from steergate.shared.errors import APIError
+from steergate.shared.scoping import scope, tenant_prefix
+from steergate.shared.steering import ModelShape
 
 log = logging.getLogger("steergate.gateway.engines")
 

@@ -16,8 +16,8 @@ import contextlib
 import logging
 from collections import defaultdict
 
-from gateway import keys
-from gateway.store import Redis
+from steergate.gateway import keys
+from steergate.gateway.store import Redis
 
 log = logging.getLogger("steergate.gateway.keyuse")
 

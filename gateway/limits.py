@@ -17,15 +17,15 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from gateway import keys
-from gateway.scripts import Scripts, evalsha
-from gateway.store import store_errors, store_unavailable
-from gateway.tenants import Tenant
-from gateway.tracing import span
-from shared.errors import APIError
+from steergate.gateway import keys
+from steergate.gateway.scripts import Scripts, evalsha
+from steergate.gateway.store import store_errors, store_unavailable
+from steergate.gateway.tenants import Tenant
+from steergate.gateway.tracing import span
+from steergate.shared.errors import APIError
 
 if TYPE_CHECKING:
-    from gateway.accounting import Settler
+    from steergate.gateway.accounting import Settler
 
 log = logging.getLogger("steergate.gateway.limits")
 

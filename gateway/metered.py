@@ -8,11 +8,11 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from gateway.accounting import Outcome
-from gateway.deps import Services
-from gateway.tenants import Tenant
-from gateway.upstream import UpstreamResponse
-from shared.errors import APIError
+from steergate.gateway.accounting import Outcome
+from steergate.gateway.deps import Services
+from steergate.gateway.tenants import Tenant
+from steergate.gateway.upstream import UpstreamResponse
+from steergate.shared.errors import APIError
 
 
 async def metered_call(

@@ -13,9 +13,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
-
-from gateway import usage
-from gateway.metrics import Metrics
+from steergate.gateway import usage
+from steergate.gateway.metrics import Metrics
 
 log = logging.getLogger("steergate.gateway.metrics")
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from shared.asgi import header, send_error
-from shared.errors import APIError
+from steergate.shared.asgi import header, send_error
+from steergate.shared.errors import APIError
 
 #: Discard at most this much of a refused body (or twice the limit, if more) ...
 DRAIN_BYTES = 16 * 1024 * 1024

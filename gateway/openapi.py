@@ -18,9 +18,8 @@ from typing import Any
 from fastapi import Depends, FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
-
-from gateway.auth import require_admin
-from shared.scoping import CONVERSATION_ID_RE, TENANT_ID_RE, VECTOR_NAME_RE
+from steergate.gateway.auth import require_admin
+from steergate.shared.scoping import CONVERSATION_ID_RE, TENANT_ID_RE, VECTOR_NAME_RE
 
 
 def _pattern(rx: re.Pattern[str]) -> str:

@@ -14,11 +14,10 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BaseModel
-
-from gateway.engines import EngineClient
-from gateway.tenants import DEFAULT_ENGINE_CAPS, Tenant
-from gateway.upstream import Engine
-from shared.errors import APIError
+from steergate.gateway.engines import EngineClient
+from steergate.gateway.tenants import DEFAULT_ENGINE_CAPS, Tenant
+from steergate.gateway.upstream import Engine
+from steergate.shared.errors import APIError
 
 STATUS_TIMEOUT_S = 2.0
 

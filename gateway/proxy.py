@@ -20,18 +20,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-
-from gateway import keys
-from gateway.deps import Services
-from gateway.engines import miss_code
-from gateway.limits import Admission
-from gateway.scoping import Head, Prepared
-from gateway.store import store_errors
-from gateway.upstream import Engine, EngineUnreachable
-from shared.engine_api import EXPECT_FIELD, KEEP_STATES
-from shared.errors import APIError, InvalidField
-from shared.latch_spec import SpecError, decode_spec
-from shared.scoping import scope, unscope
+from steergate.gateway import keys
+from steergate.gateway.deps import Services
+from steergate.gateway.engines import miss_code
+from steergate.gateway.limits import Admission
+from steergate.gateway.scoping import Head, Prepared
+from steergate.gateway.store import store_errors
+from steergate.gateway.upstream import Engine, EngineUnreachable
+from steergate.shared.engine_api import EXPECT_FIELD, KEEP_STATES
+from steergate.shared.errors import APIError, InvalidField
+from steergate.shared.latch_spec import SpecError, decode_spec
+from steergate.shared.scoping import scope, unscope
 
 log = logging.getLogger("steergate.gateway.proxy")
 

@@ -23,12 +23,12 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.limits import estimate_tokens
-from gateway.tenants import Tenant
-from shared.errors import InvalidField
-from shared.latch_spec import LatchSpec, sum_inline
-from shared.scoping import check_conversation_id, check_vector_name, scope
-from shared.steering import (
+from steergate.gateway.limits import estimate_tokens
+from steergate.gateway.tenants import Tenant
+from steergate.shared.errors import InvalidField
+from steergate.shared.latch_spec import LatchSpec, sum_inline
+from steergate.shared.scoping import check_conversation_id, check_vector_name, scope
+from steergate.shared.steering import (
     FLOAT32_BYTES,
     MAX_TERMS,
     InlineTerm,

@@ -11,8 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis.exceptions import NoScriptError
-
-from gateway.store import Redis, lua_source
+from steergate.gateway.store import Redis, lua_source
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from shared.settings import GatewaySettings
+    from steergate.shared.settings import GatewaySettings
 
 #: An idle keep-alive connection is closed after this (uvicorn's default, made explicit).
 KEEP_ALIVE_S = 5
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="info", help="debug, info, warning, error")
     args = parser.parse_args(argv)
 
-    from shared.settings import GatewaySettings
+    from steergate.shared.settings import GatewaySettings
 
     overrides = {k: v for k, v in {"port": args.port, "host": args.host}.items() if v is not None}
     settings = GatewaySettings(**overrides)
@@ -47,8 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     import uvicorn
-
-    from gateway.app import create_app
+    from steergate.gateway.app import create_app
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
@@ -76,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 def connection_options(settings: GatewaySettings) -> dict[str, Any]:
     """uvicorn options that bound what one client connection may hold: httptools with a
     request-head timeout (``gateway/head_timeout.py``) and the keep-alive idle timeout."""
-    from gateway.head_timeout import head_timeout_protocol
+    from steergate.gateway.head_timeout import head_timeout_protocol
 
     return {
         "http": head_timeout_protocol(settings.header_timeout_s),

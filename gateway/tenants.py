@@ -31,13 +31,12 @@ from typing import Any, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
-
-from gateway import apikeys, keys
-from gateway.audit import AuditLog
-from gateway.keyuse import KeyUse
-from gateway.store import Redis, is_cluster, store_errors
-from shared.errors import APIError, InvalidField
-from shared.scoping import check_tenant_id
+from steergate.gateway import apikeys, keys
+from steergate.gateway.audit import AuditLog
+from steergate.gateway.keyuse import KeyUse
+from steergate.gateway.store import Redis, is_cluster, store_errors
+from steergate.shared.errors import APIError, InvalidField
+from steergate.shared.scoping import check_tenant_id
 
 log = logging.getLogger("steergate.gateway.tenants")
 

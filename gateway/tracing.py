@@ -39,7 +39,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from shared import request_id
+from steergate.shared import request_id
 
 log = logging.getLogger("steergate.gateway.tracing")
 

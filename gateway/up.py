@@ -33,8 +33,7 @@ from typing import IO, Any, NoReturn
 import httpx
 import numpy as np
 from pydantic import SecretStr
-
-from shared.settings import GatewaySettings
+from steergate.shared.settings import GatewaySettings
 
 DEMO_TENANT = "demo"
 DEMO_VECTOR = "calm"
@@ -64,7 +63,7 @@ def steergate_home() -> Path:
 
 def _generate_tiny_model(path: Path) -> None:
     subprocess.run(
-        [sys.executable, "-m", "shared.cli", "tiny-model", str(path)],
+        [sys.executable, "-m", "steergate.shared.cli", "tiny-model", str(path)],
         check=True, stdout=subprocess.DEVNULL,
     )
 
@@ -239,7 +238,7 @@ class Engine:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.env, "STEERGATE_ENGINE_TOKEN": self.token}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "shared.cli", "engine", "--model", self.model,
+            [sys.executable, "-m", "steergate.shared.cli", "engine", "--model", self.model,
              "--port", str(self.port), *self.extra_args],
             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             start_new_session=True, preexec_fn=_die_with_parent,
@@ -444,8 +443,7 @@ def _log_store(redis_url: str | None) -> str:
 async def _serve(settings: GatewaySettings, engine: Engine, info: dict[str, Any], *, tiny: bool,
                  store: str) -> int:
     import uvicorn
-
-    from gateway.app import create_app
+    from steergate.gateway.app import create_app
 
     server = uvicorn.Server(uvicorn.Config(
         create_app(settings), host=settings.host, port=settings.port, log_level="warning",

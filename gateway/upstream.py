@@ -26,11 +26,10 @@ from typing import Any
 from urllib.parse import urlencode, urlsplit
 
 import orjson
-
-from gateway import http1, tracing
-from shared import engine_api, request_id
-from shared.errors import APIError
-from shared.steering import ModelShape
+from steergate.gateway import http1, tracing
+from steergate.shared import engine_api, request_id
+from steergate.shared.errors import APIError
+from steergate.shared.steering import ModelShape
 
 log = logging.getLogger("steergate.gateway.upstream")
 

@@ -39,11 +39,10 @@ from typing import Any, Literal
 
 import orjson
 from pydantic import BaseModel, Field
-
-from gateway import keys
-from gateway.store import Redis, store_errors
-from gateway.tenants import Limits, Tenant
-from shared.errors import InvalidField
+from steergate.gateway import keys
+from steergate.gateway.store import Redis, store_errors
+from steergate.gateway.tenants import Limits, Tenant
+from steergate.shared.errors import InvalidField
 
 HISTORY_MINUTES = 60
 STATUS_CLASSES = ("2xx", "4xx", "429", "5xx")

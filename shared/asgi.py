@@ -7,7 +7,7 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from shared.errors import APIError
+from steergate.shared.errors import APIError
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

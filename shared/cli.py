@@ -27,15 +27,15 @@ commands need STEERGATE_ADMIN_KEY; --url or STEERGATE_GATEWAY_URL names the gate
 """
 
 COMMANDS: dict[str, str] = {
-    "engine": "engine.launch:main",
-    "tiny-model": "engine.tiny_model:main",
-    "gateway": "gateway.server:main",
-    "up": "gateway.up:main",
-    "tenant": "gateway.admin_cli:tenant_main",
-    "key": "gateway.admin_cli:key_main",
-    "admin-key": "gateway.admin_cli:admin_key_main",
-    "audit": "gateway.admin_cli:audit_main",
-    "usage": "gateway.admin_cli:usage_main",
+    "engine": "steergate.engine.launch:main",
+    "tiny-model": "steergate.engine.tiny_model:main",
+    "gateway": "steergate.gateway.server:main",
+    "up": "steergate.gateway.up:main",
+    "tenant": "steergate.gateway.admin_cli:tenant_main",
+    "key": "steergate.gateway.admin_cli:key_main",
+    "admin-key": "steergate.gateway.admin_cli:admin_key_main",
+    "audit": "steergate.gateway.admin_cli:audit_main",
+    "usage": "steergate.gateway.admin_cli:usage_main",
 }
 
 

@@ -94,7 +94,7 @@ def decode_gguf_control_vector(raw: bytes, max_bytes: int | None = None) -> dict
     convention llama.cpp uses when it applies them after layer N's output). The
     reader is bounded (``shared/gguf.py``); servers call ``decode_gguf_off_loop``.
     """
-    from shared.gguf import read_control_vector  # it imports this module
+    from steergate.shared.gguf import read_control_vector  # it imports this module
 
     return read_control_vector(raw, max_bytes)
 

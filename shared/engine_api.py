@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Literal
 from urllib.parse import quote
 
-from shared.scoping import ENGINE_CONVERSATION_ID_RE, ENGINE_VECTOR_NAME_RE
+from steergate.shared.scoping import ENGINE_CONVERSATION_ID_RE, ENGINE_VECTOR_NAME_RE
 
 # -- routes ---------------------------------------------------------------------------
 

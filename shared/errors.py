@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from shared import request_id
+from steergate.shared import request_id
 
 
 class Retry(str, Enum):

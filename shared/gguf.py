@@ -23,8 +23,7 @@ import re
 import struct
 
 import numpy as np
-
-from shared.codecs import CodecError, decode_packed_bytes
+from steergate.shared.codecs import CodecError, decode_packed_bytes
 
 __all__ = ["LIMITS", "GGUFLimits", "read_control_vector"]
 

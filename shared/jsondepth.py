@@ -17,9 +17,17 @@ from __future__ import annotations
 import re
 
 import numpy as np
-
-from shared.asgi import ASGIApp, Receive, Scope, Send, header, read_body, replay, send_error
-from shared.errors import InvalidField
+from steergate.shared.asgi import (
+    ASGIApp,
+    Receive,
+    Scope,
+    Send,
+    header,
+    read_body,
+    replay,
+    send_error,
+)
+from steergate.shared.errors import InvalidField
 
 MAX_JSON_DEPTH = 64
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)

@@ -19,9 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-
-from shared.codecs import b64_to_f32, f32_to_b64
-from shared.steering import HOOKS, PHASES, InlineTerm
+from steergate.shared.codecs import b64_to_f32, f32_to_b64
+from steergate.shared.steering import HOOKS, PHASES, InlineTerm
 
 Site = tuple[str, int]  # (hook, layer)
 Ref = tuple[str, str, float]  # (engine-side vector name, digest, scale)

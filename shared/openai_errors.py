@@ -21,8 +21,8 @@ import json
 import logging
 from typing import Any
 
-from shared import errors
-from shared.asgi import ASGIApp, Message, Receive, Scope, Send, header, replace_header
+from steergate.shared import errors
+from steergate.shared.asgi import ASGIApp, Message, Receive, Scope, Send, header, replace_header
 
 log = logging.getLogger("steergate.errors")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from shared.errors import InvalidField
+from steergate.shared.errors import InvalidField
 
 SEPARATOR = "~"
 

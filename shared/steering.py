@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-
-from shared.codecs import DTYPES, CodecError, b64decode_strict, decode_packed_bytes
-from shared.errors import InvalidField
+from steergate.shared.codecs import DTYPES, CodecError, b64decode_strict, decode_packed_bytes
+from steergate.shared.errors import InvalidField
 
 HOOKS: tuple[str, ...] = ("pre_attn", "post_attn", "post_block")
 PHASES: tuple[str, ...] = ("all", "prefill", "decode")

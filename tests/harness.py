@@ -147,7 +147,9 @@ def tiny_model_dir() -> Path:
     path = CACHE / "tiny-model"
     if not (path / "config.json").exists():
         subprocess.run(
-            [sys.executable, "-m", "shared.cli", "tiny-model", str(path)], check=True, cwd=ROOT
+            [sys.executable, "-m", "steergate.shared.cli", "tiny-model", str(path)],
+            check=True,
+            cwd=ROOT,
         )
     return path
 
@@ -186,7 +188,7 @@ class EngineProcess:
             [
                 sys.executable,
                 "-m",
-                "shared.cli",
+                "steergate.shared.cli",
                 "engine",
                 "--model",
                 str(self.model),
@@ -246,7 +248,7 @@ class GatewayProcess:
         self.log_path = CACHE / f"gateway-{self.port}.log"
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "shared.cli", "gateway", "--port", str(self.port)],
+            [sys.executable, "-m", "steergate.shared.cli", "gateway", "--port", str(self.port)],
             cwd=ROOT,
             env={**os.environ, **self.env},
             stdout=log,

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import hmac
 
-from shared.asgi import ASGIApp, Receive, Scope, Send, header, send_error
-from shared.errors import APIError
+from steergate.shared.asgi import ASGIApp, Receive, Scope, Send, header, send_error
+from steergate.shared.errors import APIError
 
 
 class EngineTokenMiddleware:

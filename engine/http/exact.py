@@ -25,7 +25,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from shared.errors import InvalidField
+from steergate.shared.errors import InvalidField
 
 # Request fields that only change sampling or the shape of the response, never the
 # prompt's tokens. Every other field (messages, prompt, prompt_embeds, chat_template*,

@@ -19,17 +19,16 @@ from argparse import Namespace
 from typing import Any
 
 from fastapi import FastAPI
-
-from engine.http.auth import EngineTokenMiddleware
-from engine.http.rewrite import SteeringRewriteMiddleware
-from engine.http.routes import build_router
-from engine.http.runtime import RuntimeRef, SteeringRuntime
-from shared import request_id
-from shared.jsondepth import JsonDepthMiddleware
-from shared.openai_errors import OpenAIErrorMiddleware
-from shared.request_id import RequestIdMiddleware
-from shared.settings import EngineSettings
-from shared.steering import ModelShape
+from steergate.engine.http.auth import EngineTokenMiddleware
+from steergate.engine.http.rewrite import SteeringRewriteMiddleware
+from steergate.engine.http.routes import build_router
+from steergate.engine.http.runtime import RuntimeRef, SteeringRuntime
+from steergate.shared import request_id
+from steergate.shared.jsondepth import JsonDepthMiddleware
+from steergate.shared.openai_errors import OpenAIErrorMiddleware
+from steergate.shared.request_id import RequestIdMiddleware
+from steergate.shared.settings import EngineSettings
+from steergate.shared.steering import ModelShape
 
 log = logging.getLogger("steergate.http")
 

@@ -20,12 +20,12 @@ import hashlib
 import json
 from typing import Any
 
-from engine.http.exact import prompt_key, refuse_inexact
-from engine.http.runtime import RuntimeRef, SteeringRuntime
-from engine.payload import XARGS_KEY, encode_payload
-from engine.resolve import Expect, Resolution, resolve_turn
-from shared import engine_api
-from shared.asgi import (
+from steergate.engine.http.exact import prompt_key, refuse_inexact
+from steergate.engine.http.runtime import RuntimeRef, SteeringRuntime
+from steergate.engine.payload import XARGS_KEY, encode_payload
+from steergate.engine.resolve import Expect, Resolution, resolve_turn
+from steergate.shared import engine_api
+from steergate.shared.asgi import (
     ASGIApp,
     Message,
     RawHeaders,
@@ -38,11 +38,11 @@ from shared.asgi import (
     replay,
     send_error,
 )
-from shared.engine_api import EXPECT_FIELD
-from shared.errors import APIError, InvalidField
-from shared.latch_spec import SpecError, decode_spec
-from shared.scoping import ENGINE_CONVERSATION_ID_RE, ENGINE_VECTOR_NAME_RE
-from shared.steering import ModelShape, parse_steering
+from steergate.shared.engine_api import EXPECT_FIELD
+from steergate.shared.errors import APIError, InvalidField
+from steergate.shared.latch_spec import SpecError, decode_spec
+from steergate.shared.scoping import ENGINE_CONVERSATION_ID_RE, ENGINE_VECTOR_NAME_RE
+from steergate.shared.steering import ModelShape, parse_steering
 
 LATCH_HEADER = engine_api.LATCH_HEADER.encode()
 

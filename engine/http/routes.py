@@ -13,13 +13,12 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
-
-from engine.http.runtime import RuntimeRef
-from shared import engine_api
-from shared.codecs import CodecError, decode_gguf_off_loop
-from shared.errors import APIError, InvalidField
-from shared.scoping import ENGINE_CONVERSATION_ID_RE, ENGINE_VECTOR_NAME_RE
-from shared.steering import check_vectors, parse_vector_body
+from steergate.engine.http.runtime import RuntimeRef
+from steergate.shared import engine_api
+from steergate.shared.codecs import CodecError, decode_gguf_off_loop
+from steergate.shared.errors import APIError, InvalidField
+from steergate.shared.scoping import ENGINE_CONVERSATION_ID_RE, ENGINE_VECTOR_NAME_RE
+from steergate.shared.steering import check_vectors, parse_vector_body
 
 Handler = Callable[..., Awaitable[Response]]
 

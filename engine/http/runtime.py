@@ -10,11 +10,11 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
-from engine.latch import LatchController
-from engine.registry import VectorRegistry
-from shared.errors import APIError
-from shared.settings import EngineSettings
-from shared.steering import HOOKS, ModelShape
+from steergate.engine.latch import LatchController
+from steergate.engine.registry import VectorRegistry
+from steergate.shared.errors import APIError
+from steergate.shared.settings import EngineSettings
+from steergate.shared.steering import HOOKS, ModelShape
 
 
 @dataclass

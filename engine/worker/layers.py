@@ -22,10 +22,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from steergate.engine.worker import op
+from steergate.engine.worker.tables import SteeringTables
 from torch import nn
-
-from engine.worker import op
-from engine.worker.tables import SteeringTables
 
 _WRAPPED = "_steergate_wrapped"
 

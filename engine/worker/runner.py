@@ -21,10 +21,10 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from engine.payload import XARGS_KEY, Payload, decode_payload
-from engine.worker import contract
-from engine.worker.layers import find_decoder_layers, wrap_layers
-from engine.worker.tables import SteeringTables, StepRequest
+from steergate.engine.payload import XARGS_KEY, Payload, decode_payload
+from steergate.engine.worker import contract
+from steergate.engine.worker.layers import find_decoder_layers, wrap_layers
+from steergate.engine.worker.tables import SteeringTables, StepRequest
 
 logger = logging.getLogger("vllm.steergate.worker")  # inherits vLLM's handlers
 

@@ -30,9 +30,9 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from engine.worker import contract
-from engine.worker.runner import attach, payload_of
-from engine.worker.tables import SteeringTables, StepRequest
+from steergate.engine.worker import contract
+from steergate.engine.worker.runner import attach, payload_of
+from steergate.engine.worker.tables import SteeringTables, StepRequest
 
 _PATCHED = "_steergate_patched"
 

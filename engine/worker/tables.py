@@ -26,9 +26,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-
-from engine.payload import Payload
-from engine.worker import op
+from steergate.engine.payload import Payload
+from steergate.engine.worker import op
 
 HOOKS: tuple[str, ...] = ("pre_attn", "post_attn", "post_block")
 Site = tuple[str, int]

@@ -21,13 +21,12 @@ import orjson
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
-
-from gateway import audit, usage
-from gateway.auth import require_admin
-from gateway.deps import get_services
-from gateway.engines import EngineClient
-from gateway.overview import capacity, engine_statuses
-from gateway.tenants import (
+from steergate.gateway import audit, usage
+from steergate.gateway.auth import require_admin
+from steergate.gateway.deps import get_services
+from steergate.gateway.engines import EngineClient
+from steergate.gateway.overview import capacity, engine_statuses
+from steergate.gateway.tenants import (
     ADMIN_ROLES,
     DEFAULT_GRACE_S,
     KEY_FIELDS,
@@ -39,10 +38,10 @@ from gateway.tenants import (
     Tenant,
     TenantStore,
 )
-from shared import request_id
-from shared.errors import APIError, InvalidField
-from shared.jsondepth import check_json_depth
-from shared.scoping import check_tenant_id
+from steergate.shared import request_id
+from steergate.shared.errors import APIError, InvalidField
+from steergate.shared.jsondepth import check_json_depth
+from steergate.shared.scoping import check_tenant_id
 
 log = logging.getLogger("steergate.gateway.admin")
 

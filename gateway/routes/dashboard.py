@@ -13,8 +13,7 @@ from importlib import resources
 
 from fastapi import APIRouter
 from fastapi.responses import Response
-
-from shared.errors import APIError
+from steergate.shared.errors import APIError
 
 router = APIRouter(include_in_schema=False)
 

@@ -6,8 +6,7 @@ import asyncio
 
 import orjson
 from fastapi import APIRouter, Response
-
-from gateway.deps import ServicesDep
+from steergate.gateway.deps import ServicesDep
 
 router = APIRouter(tags=["health"])
 

@@ -22,20 +22,24 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.routing import request_response
-
-from gateway.accounting import Outcome
-from gateway.auth import get_tenant
-from gateway.deps import Services, get_services
-from gateway.limits import Admission
-from gateway.proxy import Turn
-from gateway.scoping import Head, Prepared, prepare_inference, prescan, scrub
-from gateway.stream_meter import StreamMeter, prompt_estimate
-from gateway.tracing import span
-from gateway.upstream import EngineUnreachable, UpstreamBroken, UpstreamResponse, UpstreamStream
-from shared import engine_api
-from shared.engine_api import LATCH_HEADER
-from shared.errors import APIError, InvalidField
-from shared.jsondepth import check_json_depth
+from steergate.gateway.accounting import Outcome
+from steergate.gateway.auth import get_tenant
+from steergate.gateway.deps import Services, get_services
+from steergate.gateway.limits import Admission
+from steergate.gateway.proxy import Turn
+from steergate.gateway.scoping import Head, Prepared, prepare_inference, prescan, scrub
+from steergate.gateway.stream_meter import StreamMeter, prompt_estimate
+from steergate.gateway.tracing import span
+from steergate.gateway.upstream import (
+    EngineUnreachable,
+    UpstreamBroken,
+    UpstreamResponse,
+    UpstreamStream,
+)
+from steergate.shared import engine_api
+from steergate.shared.engine_api import LATCH_HEADER
+from steergate.shared.errors import APIError, InvalidField
+from steergate.shared.jsondepth import check_json_depth
 
 log = logging.getLogger("steergate.gateway.inference")
 

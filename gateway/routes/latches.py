@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import orjson
 from fastapi import APIRouter, Response
-
-from gateway import keys
-from gateway.auth import TenantDep
-from gateway.deps import ServicesDep
-from gateway.store import store_errors
-from shared.errors import APIError
-from shared.scoping import check_conversation_id
+from steergate.gateway import keys
+from steergate.gateway.auth import TenantDep
+from steergate.gateway.deps import ServicesDep
+from steergate.gateway.store import store_errors
+from steergate.shared.errors import APIError
+from steergate.shared.scoping import check_conversation_id
 
 router = APIRouter(tags=["latches"])
 

@@ -14,11 +14,10 @@ import time
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
-
-from gateway import usage
-from gateway.auth import require_metrics_reader
-from gateway.deps import Services, get_services
-from gateway.metrics import (
+from steergate.gateway import usage
+from steergate.gateway.auth import require_metrics_reader
+from steergate.gateway.deps import Services, get_services
+from steergate.gateway.metrics import (
     CONTENT_TYPE,
     EngineSample,
     Metrics,
@@ -26,7 +25,7 @@ from gateway.metrics import (
     Snapshot,
     TenantSample,
 )
-from gateway.overview import engine_statuses
+from steergate.gateway.overview import engine_statuses
 
 router = APIRouter(include_in_schema=False, dependencies=[Depends(require_metrics_reader)])
 

@@ -13,13 +13,12 @@ from typing import Any
 
 import orjson
 from fastapi import APIRouter, Request, Response
-
-from gateway.auth import TenantDep
-from gateway.deps import Services, ServicesDep
-from gateway.metered import metered_call
-from gateway.scoping import scrub
-from shared.errors import APIError
-from shared.steering import HOOKS
+from steergate.gateway.auth import TenantDep
+from steergate.gateway.deps import Services, ServicesDep
+from steergate.gateway.metered import metered_call
+from steergate.gateway.scoping import scrub
+from steergate.shared.errors import APIError
+from steergate.shared.steering import HOOKS
 
 router = APIRouter(tags=["models"])
 

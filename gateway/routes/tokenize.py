@@ -13,12 +13,11 @@ from typing import Any
 
 import orjson
 from fastapi import APIRouter, Request, Response
-
-from gateway.auth import TenantDep
-from gateway.deps import ServicesDep
-from gateway.metered import metered_call
-from gateway.routes.inference import read_json_object
-from gateway.scoping import scrub
+from steergate.gateway.auth import TenantDep
+from steergate.gateway.deps import ServicesDep
+from steergate.gateway.metered import metered_call
+from steergate.gateway.routes.inference import read_json_object
+from steergate.gateway.scoping import scrub
 
 router = APIRouter(tags=["tokenizer"])
 

@@ -7,10 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter
-
-from gateway import usage
-from gateway.auth import TenantDep
-from gateway.deps import ServicesDep
+from steergate.gateway import usage
+from steergate.gateway.auth import TenantDep
+from steergate.gateway.deps import ServicesDep
 
 router = APIRouter(tags=["usage"])
 

@@ -16,11 +16,10 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Query
 from fastapi.responses import JSONResponse, Response
-
-from gateway import usage
-from gateway.auth import TenantDep, require_admin
-from gateway.deps import ServicesDep
-from shared.scoping import check_tenant_id
+from steergate.gateway import usage
+from steergate.gateway.auth import TenantDep, require_admin
+from steergate.gateway.deps import ServicesDep
+from steergate.shared.scoping import check_tenant_id
 
 router = APIRouter(tags=["usage"])
 

@@ -18,17 +18,16 @@ from typing import Any
 import numpy as np
 import orjson
 from fastapi import APIRouter, Request, Response
-
-from gateway import keys
-from gateway.accounting import Outcome
-from gateway.auth import TenantDep
-from gateway.deps import Services, ServicesDep
-from gateway.routes.inference import read_json_object
-from gateway.store import store_errors
-from shared.codecs import CodecError, decode_gguf_off_loop, encode_packed, vector_digest
-from shared.errors import APIError, InvalidField
-from shared.scoping import check_vector_name
-from shared.steering import check_vectors, parse_vector_body
+from steergate.gateway import keys
+from steergate.gateway.accounting import Outcome
+from steergate.gateway.auth import TenantDep
+from steergate.gateway.deps import Services, ServicesDep
+from steergate.gateway.routes.inference import read_json_object
+from steergate.gateway.store import store_errors
+from steergate.shared.codecs import CodecError, decode_gguf_off_loop, encode_packed, vector_digest
+from steergate.shared.errors import APIError, InvalidField
+from steergate.shared.scoping import check_vector_name
+from steergate.shared.steering import check_vectors, parse_vector_body
 
 router = APIRouter(tags=["vectors"])
 

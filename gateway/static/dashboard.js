@@ -20,9 +20,14 @@
     ["vector_bytes", "Vector memory", true],
   ];
   const CLASSES = ["2xx", "4xx", "429", "5xx"];
+  const PERIODS = { day: "UTC day", month: "UTC month" };
+  const AUDIT_LIMIT = 50;
 
   const $ = (id) => document.getElementById(id);
-  const state = { key: null, role: null, timer: null, sort: { col: "tenant", dir: 1 }, admin: null };
+  const state = {
+    key: null, role: null, timer: null, gen: 0, sort: { col: "tenant", dir: 1 }, admin: null,
+    keysTenant: null, keysTenants: null,
+  };
 
   // ------------------------------------------------------------------ formatting
 
@@ -49,13 +54,28 @@
     return n > 1e12 ? n : n * 1000; // engine/gateway timestamps are seconds or ms
   }
 
+  /** 42s, 5m, 3h, 2d: the largest whole unit of a duration in seconds. */
+  function dur(s) {
+    if (s < 60) return `${s}s`;
+    if (s < 3600) return `${Math.floor(s / 60)}m`;
+    if (s < 86400) return `${Math.floor(s / 3600)}h`;
+    return `${Math.floor(s / 86400)}d`;
+  }
+
   function ago(t) {
     const s = Math.max(0, Math.round((Date.now() - toMillis(t)) / 1000));
-    if (!Number.isFinite(s)) return "–";
-    if (s < 60) return `${s}s ago`;
-    if (s < 3600) return `${Math.floor(s / 60)}m ago`;
-    if (s < 86400) return `${Math.floor(s / 3600)}h ago`;
-    return `${Math.floor(s / 86400)}d ago`;
+    return Number.isFinite(s) ? `${dur(s)} ago` : "–";
+  }
+
+  function until(t) {
+    const s = Math.max(0, Math.round((toMillis(t) - Date.now()) / 1000));
+    return Number.isFinite(s) ? `in ${dur(s)}` : "–";
+  }
+
+  /** "2025-06-01 12:00:00": a time in UTC, to the second. */
+  function utc(t) {
+    const ms = toMillis(t);
+    return Number.isFinite(ms) ? new Date(ms).toISOString().replace("T", " ").slice(0, 19) : "–";
   }
 
   function el(tag, attrs = {}, ...children) {
@@ -158,7 +178,9 @@
   function signOut(message = "") {
     clearTimeout(state.timer);
     sessionStorage.removeItem(STORAGE_KEY);
-    Object.assign(state, { key: null, role: null, admin: null });
+    Object.assign(state, { key: null, role: null, admin: null, keysTenant: null, keysTenants: null });
+    for (const id of ["keys", "audit"]) $(id).tBodies[0].replaceChildren();
+    $("keys-tenant").replaceChildren();
     show();
     $("signin-error").textContent = message;
     $("status").textContent = "";
@@ -179,6 +201,7 @@
   async function refresh() {
     clearTimeout(state.timer);
     if (!state.key) return;
+    const gen = ++state.gen; // a refresh started meanwhile schedules the next one, not this
     try {
       if (state.role === "tenant") await refreshTenant();
       else await refreshAdmin();
@@ -193,7 +216,7 @@
       $("status").textContent = `Refresh failed (${err.message}); retrying…`;
       $("status").classList.add("bad");
     }
-    if ($("live").checked) state.timer = setTimeout(refresh, REFRESH_MS);
+    if ($("live").checked && gen === state.gen) state.timer = setTimeout(refresh, REFRESH_MS);
   }
 
   // ------------------------------------------------------------------ tenant view
@@ -213,6 +236,7 @@
       requests_per_minute: `${fmtNum(last.requests || 0)} this calendar minute`,
       tokens_per_minute: `${fmtNum(last.tokens || 0)} this calendar minute`,
     });
+    renderBudget(usage.budget);
     const q = usage.quotas || {};
     renderChart($("chart-requests"), history, "requests", q.requests_per_minute, "requests");
     renderChart($("chart-tokens"), history, "tokens", q.tokens_per_minute, "tokens");
@@ -238,6 +262,30 @@
       );
     });
     container.replaceChildren(...cards);
+  }
+
+  /** The token budget (``budget`` of /v1/usage) as one card like the quota cards;
+   *  hidden when the tenant has none. ``used`` may pass ``tokens`` (the last request
+   *  admitted can overshoot): the bar stops at full, the numbers say how far. */
+  function renderBudget(budget) {
+    const box = $("budget");
+    box.hidden = !budget;
+    if (!budget) {
+      box.replaceChildren();
+      return;
+    }
+    const q = { used: budget.used, limit: budget.tokens };
+    const full = q.limit > 0 && q.used >= q.limit;
+    const label = `Token budget per ${PERIODS[budget.period] || budget.period}`;
+    box.replaceChildren(el(
+      "div",
+      { class: `card${full ? " full" : ""}`, role: "listitem", "data-quota": "token_budget" },
+      el("div", { class: "label", text: label }),
+      el("div", { class: "value", text: `${fmtNum(q.used)} / ${fmtNum(q.limit)} tokens (${pct(q)})${full ? " — at limit" : ""}` }),
+      meter(q, `${label}: ${fmtNum(q.used)} of ${fmtNum(q.limit)} tokens`),
+      el("div", { class: "hint", "data-field": "resets",
+        text: `${fmtNum(budget.remaining)} left · resets ${utc(budget.resets_at)} UTC (${until(budget.resets_at)})` }),
+    ));
   }
 
   function svg(tag, attrs = {}) {
@@ -334,6 +382,7 @@
   const ADMIN_COLS = [
     ["tenant", "Tenant"],
     ...QUOTAS.map(([key, label]) => [key, label]),
+    ["budget", "Token budget"],
     ["r429", "429s"],
     ["r5xx", "5xx"],
   ];
@@ -342,16 +391,142 @@
     if (col === "tenant") return row.tenant_id;
     if (col === "r429") return (row.responses || {})["429"] || 0;
     if (col === "r5xx") return (row.responses || {})["5xx"] || 0;
+    if (col === "budget") return row.budget ? ratio({ used: row.budget.used, limit: row.budget.tokens }) : -1;
     return ratio((row.quotas || {})[col]);
   }
 
   async function refreshAdmin() {
-    const [usage, engines] = await Promise.all([api("/admin/usage"), api("/admin/engines")]);
+    const [usage, engines, audit] = await Promise.all([
+      api("/admin/usage"),
+      api("/admin/engines"),
+      api(`/admin/audit?limit=${AUDIT_LIMIT}`),
+    ]);
     state.admin = usage;
     $("who-label").textContent = "Administrator";
     renderTenantTable();
     renderCapacity(usage.capacity || {});
     renderEngines(listOf(engines, "engines"));
+    renderAudit(listOf(audit, "entries"));
+    await refreshKeys(listOf(usage, "tenants").map((t) => String(t.tenant_id)));
+  }
+
+  // One tenant's keys at a time (chosen in the select): one request per refresh,
+  // however many tenants there are.
+  async function refreshKeys(ids) {
+    ids.sort((a, b) => a.localeCompare(b));
+    const select = $("keys-tenant");
+    if (state.keysTenants !== ids.join(" ")) {
+      state.keysTenants = ids.join(" ");
+      select.replaceChildren(...ids.map((id) => el("option", { value: id, text: id })));
+    }
+    if (!ids.includes(state.keysTenant)) state.keysTenant = ids.length ? ids[0] : null;
+    select.disabled = !ids.length;
+    const tenant = state.keysTenant;
+    if (tenant === null) {
+      $("keys").tBodies[0].replaceChildren(emptyRow(7, "No tenants yet."));
+      return;
+    }
+    select.value = tenant;
+    let keys = [];
+    try {
+      keys = listOf(await api(`/admin/tenants/${encodeURIComponent(tenant)}/keys`), "keys");
+    } catch (err) {
+      if (!(err instanceof HttpError && err.status === 404)) throw err; // deleted meanwhile
+    }
+    if (tenant === state.keysTenant) renderKeys(tenant, keys);
+  }
+
+  function keyLimits(limits) {
+    const l = limits || {};
+    const parts = [];
+    if (l.rpm !== null && l.rpm !== undefined) parts.push(`${fmtNum(l.rpm)} req/min`);
+    if (l.max_concurrency !== null && l.max_concurrency !== undefined) {
+      parts.push(`${fmtNum(l.max_concurrency)} in flight`);
+    }
+    return parts.length ? parts.join(" · ") : "the tenant's";
+  }
+
+  /** A time cell: relative text, the UTC time in the tooltip. */
+  function timeCell(field, t, text) {
+    const td = el("td", { "data-field": field, text });
+    if (t !== null && t !== undefined) td.title = `${utc(t)} UTC`;
+    return td;
+  }
+
+  function renderKeys(tenant, keys) {
+    const now = Date.now();
+    const rows = keys.map((k) => {
+      const has = (v) => v !== null && v !== undefined;
+      const expired = has(k.expires_at) && toMillis(k.expires_at) <= now;
+      const tr = el("tr", { "data-key": k.key_id });
+      if (expired) tr.classList.add("expired");
+      const name = el("td", { "data-field": "name" },
+        el("div", { class: k.name ? "" : "empty", text: k.name || "unnamed" }),
+        el("div", { class: "hint id", text: k.key_id }));
+      const expires = timeCell("expires", k.expires_at, has(k.expires_at) ? "" : "never");
+      if (expired) expires.append(el("span", { class: "badge", text: "expired" }), ` ${ago(k.expires_at)}`);
+      else if (has(k.expires_at)) expires.append(until(k.expires_at));
+      if (has(k.previous_expires_at) && toMillis(k.previous_expires_at) > now) {
+        expires.append(el("div", { class: "hint", text: `rotated: the old secret works ${until(k.previous_expires_at)}` }));
+      }
+      tr.append(
+        name,
+        el("td", { class: "id", "data-field": "prefix", text: `${k.prefix}…` }),
+        el("td", { "data-field": "scopes", text: (k.scopes || []).join(", ") }),
+        el("td", { "data-field": "limits", text: keyLimits(k.limits) }),
+        timeCell("created", k.created_at, ago(k.created_at)),
+        expires,
+        timeCell("last_used", k.last_used_at, has(k.last_used_at) ? ago(k.last_used_at) : "never"),
+      );
+      return tr;
+    });
+    $("keys").tBodies[0].replaceChildren(...(rows.length ? rows : [emptyRow(7, `${tenant} has no keys.`)]));
+  }
+
+  /** What an audit entry changed, as [path, text] pairs: nested objects as dotted
+   *  paths; an update's [old, new] pairs as "old → new". */
+  function auditFields(action, fields) {
+    const show = (path, v) => {
+      if (v === null || v === undefined) return "none";
+      if (Array.isArray(v)) return v.length ? v.map((x) => show(path, x)).join(", ") : "[]";
+      if (typeof v === "object") return JSON.stringify(v);
+      if (typeof v === "number" && path.endsWith("_at")) return `${utc(v)} UTC`;
+      if (typeof v === "number" && path.endsWith("_bytes")) return fmtBytes(v);
+      if (v === "") return '""';
+      return String(v);
+    };
+    const out = [];
+    const walk = (obj, prefix) => {
+      for (const [k, v] of Object.entries(obj)) {
+        const path = prefix + k;
+        if (action.endsWith(".update") && Array.isArray(v) && v.length === 2) {
+          out.push([path, `${show(path, v[0])} → ${show(path, v[1])}`]);
+        } else if (v && typeof v === "object" && !Array.isArray(v)) walk(v, `${path}.`);
+        else out.push([path, show(path, v)]);
+      }
+    };
+    if (fields && typeof fields === "object") walk(fields, "");
+    return out;
+  }
+
+  function renderAudit(entries) {
+    const rows = entries.map((e) => {
+      const action = String(e.action || "");
+      const pairs = auditFields(action, e.fields);
+      const fields = el("td", { class: "fields", "data-field": "fields" });
+      for (const [path, text] of pairs) {
+        fields.append(el("span", { class: "field" }, el("span", { class: "k", text: `${path}:` }), ` ${text}`));
+      }
+      if (!pairs.length) fields.append(el("span", { class: "empty", text: "–" }));
+      return el("tr", { "data-audit": String(e.id) },
+        el("td", { "data-field": "time", text: utc(e.time), title: ago(e.time) }),
+        el("td", { "data-field": "actor" },
+          el("div", { class: "id", text: e.actor }), el("div", { class: "hint", text: e.role || "" })),
+        el("td", { class: "id", "data-field": "action", text: action }),
+        el("td", { class: "id", "data-field": "target", text: e.target || "–" }),
+        fields);
+    });
+    $("audit").tBodies[0].replaceChildren(...(rows.length ? rows : [emptyRow(5, "No admin writes yet.")]));
   }
 
   function renderTenantTable() {
@@ -395,6 +570,16 @@
         } else td.textContent = "–";
         tr.append(td);
       }
+      const b = row.budget;
+      const budget = el("td", { "data-quota": "token_budget" });
+      if (b) {
+        const q = { used: b.used, limit: b.tokens };
+        budget.append(el("div", { class: "pct", text: pct(q) }),
+          meter(q, `${row.tenant_id} token budget`, true),
+          el("div", { class: "hint", text: `${fmtNum(b.used)} / ${fmtNum(b.tokens)} per ${b.period}` }));
+        if (q.used >= q.limit) budget.classList.add("full");
+      } else budget.textContent = "–";
+      tr.append(budget);
       tr.append(el("td", { class: "num", text: fmtNum(adminValue(row, "r429")) }));
       tr.append(el("td", { class: "num", text: fmtNum(adminValue(row, "r5xx")) }));
       return tr;
@@ -453,6 +638,11 @@
       signIn(key);
     });
     $("sign-out").addEventListener("click", () => signOut());
+    $("keys-tenant").addEventListener("change", () => {
+      state.keysTenant = $("keys-tenant").value;
+      $("keys").tBodies[0].replaceChildren(emptyRow(7, "Loading…"));
+      refresh();
+    });
     $("live").addEventListener("change", () => { if ($("live").checked) refresh(); else clearTimeout(state.timer); });
     document.addEventListener("visibilitychange", () => { if (!document.hidden && state.key) refresh(); });
     const saved = sessionStorage.getItem(STORAGE_KEY);

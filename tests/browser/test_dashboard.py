@@ -4,8 +4,10 @@ Playwright), against a live gateway, the fake engine and a real Redis."""
 # ruff: noqa: F811 - pytest fixtures are imported, then named as parameters
 from __future__ import annotations
 
+import datetime
 import os
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -98,7 +100,13 @@ def test_tenant_signs_in_and_numbers_move_after_requests(page, ops: Ops) -> None
 
 
 def test_a_quota_bar_reaches_its_limit(page, ops: Ops) -> None:  # type: ignore[no-untyped-def]
-    key = ops.tenant("acme", rpm=20, latch_count=2, latch_bytes=4096)
+    key = ops.tenant(
+        "acme",
+        rpm=20,
+        latch_count=2,
+        latch_bytes=4096,
+        token_budget={"tokens": 1000, "period": "month"},  # shown in the screenshot
+    )
     r = httpx.put(
         ops.url + "/v1/steering/vectors/calm",
         headers=bearer(key),
@@ -229,3 +237,221 @@ def test_page_loads_nothing_from_other_origins(page, ops: Ops) -> None:  # type:
     page.goto(ops.url + "/dashboard")
     page.get_by_label("API key").wait_for()
     assert requested and all(u.startswith(ops.url) for u in requested)
+
+
+# ------------------------------------------------------------------ budget, keys, audit
+
+
+def no_secret_on_page(page, secrets: list[str]) -> None:  # type: ignore[no-untyped-def]
+    """None of ``secrets`` in the page: its DOM (text, attributes, titles) or its URL."""
+    html, text = page.content(), page.locator("body").inner_text()
+    for secret in secrets:
+        assert secret not in html and secret not in text and secret not in page.url
+
+
+def test_tenant_sees_its_budget_bar_move_after_requests(page, ops: Ops) -> None:  # type: ignore[no-untyped-def]
+    key = ops.tenant("acme")
+    sign_in(page, ops, key)
+    page.locator("#tenant-view").wait_for(state="visible")
+    page.locator('#tenant-quotas [data-quota="latch_count"]').wait_for()
+    assert page.locator("#budget").is_hidden()  # no budget set: no bar
+
+    tokens = 24  # the stub engine charges 8 tokens a request
+    r = ops.admin(
+        "PATCH",
+        "/admin/tenants/acme",
+        json={"limits": {"token_budget": {"tokens": tokens, "period": "day"}}},
+    )
+    assert r.status_code == 200, r.text
+    budget = page.locator('#budget [data-quota="token_budget"]')
+    budget.get_by_text(f"0 / {tokens} tokens (0%)").wait_for(timeout=REFRESH_WAIT_MS)
+    assert "Token budget per UTC day" in budget.inner_text()
+    midnight = (int(time.time()) // 86400 + 1) * 86400
+    reset = datetime.datetime.fromtimestamp(midnight, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S")
+    assert f"resets {reset} UTC (in " in budget.locator('[data-field="resets"]').inner_text()
+
+    charged = 0
+    for _ in range(2):
+        r = ops.chat(key)
+        assert r.status_code == 200, r.text
+        charged += r.json()["usage"]["total_tokens"]
+    assert 0 < charged < tokens
+    budget.get_by_text(re.compile(rf"^{charged} / {tokens} tokens")).wait_for(
+        timeout=REFRESH_WAIT_MS
+    )
+    meter = budget.get_by_role("meter")
+    assert meter.get_attribute("aria-valuenow") == str(charged)
+    width = meter.locator("span").evaluate("e => e.style.width")
+    assert float(width.rstrip("%")) == pytest.approx(100 * charged / tokens)
+    assert "full" not in (budget.get_attribute("class") or "")
+    assert f"{tokens - charged} left" in budget.inner_text()
+
+    # Spend the rest: the bar is full, red and says so; the next request is refused.
+    while charged < tokens:
+        r = ops.chat(key)
+        assert r.status_code == 200, r.text
+        charged += r.json()["usage"]["total_tokens"]
+    budget.get_by_text("at limit").wait_for(timeout=REFRESH_WAIT_MS)
+    assert f"{charged} / {tokens} tokens" in budget.inner_text()
+    assert "full" in (budget.get_attribute("class") or "")
+    assert meter.get_attribute("aria-valuenow") == str(tokens)
+    assert meter.locator("span").evaluate("e => e.style.width") == "100%"
+    assert "0 left" in budget.inner_text()
+    ops.wait_for(lambda: ops.chat(key).status_code == 429)
+
+
+def test_admin_and_a_viewer_see_a_tenants_keys(page, ops: Ops) -> None:  # type: ignore[no-untyped-def]
+    default_key = ops.tenant("acme")  # one unnamed key with every scope, never used
+    bravo_key = ops.tenant("bravo")
+    r = ops.admin(
+        "POST",
+        "/admin/tenants/acme/keys",
+        json={
+            "name": "ci runner",
+            "scopes": ["inference", "usage"],
+            "limits": {"rpm": 10},
+            "expires_at": time.time() + 3 * 86400,
+        },
+    )
+    assert r.status_code == 201, r.text
+    ci = r.json()
+    soon = {"name": "short-lived", "expires_at": time.time() + 1}
+    short = ops.admin("POST", "/admin/tenants/acme/keys", json=soon).json()
+    viewer = ops.admin("POST", "/admin/keys", json={"role": "viewer", "name": "dash"}).json()
+    assert viewer["role"] == "viewer"
+    assert ops.chat(ci["key"]).status_code == 200  # its last use, flushed in the background
+    time.sleep(1.2)  # past short-lived's expiry
+    assert ops.chat(short["key"]).status_code == 401
+
+    sign_in(page, ops, viewer["key"])
+    page.locator("#admin-view").wait_for(state="visible")
+    assert page.locator("#tenant-view").is_hidden()
+    select = page.get_by_label("Keys of tenant")
+    assert select.evaluate("s => [...s.options].map(o => o.value)") == ["acme", "bravo"]
+    assert select.input_value() == "acme"
+    row = page.locator(f'#keys tbody tr[data-key="{ci["key_id"]}"]')
+    row.wait_for()
+
+    def cell(r, field: str) -> str:  # type: ignore[no-untyped-def]
+        return str(r.locator(f'[data-field="{field}"]').inner_text())
+
+    assert "ci runner" in cell(row, "name") and ci["key_id"] in cell(row, "name")
+    assert cell(row, "prefix") == ci["prefix"] + "…"
+    assert cell(row, "scopes") == "inference, usage"
+    assert cell(row, "limits") == "10 req/min"
+    assert re.fullmatch(r"\d+s ago", cell(row, "created"))
+    assert re.fullmatch(r"in [23]d", cell(row, "expires"))
+    assert "expired" not in (row.get_attribute("class") or "")
+    # Last use is written to Redis every few seconds: the row shows it once flushed.
+    flush_s = ops.gw.app.state.tenants.key_use.interval_s
+    row.locator('[data-field="last_used"]').get_by_text(re.compile(r"^\d+s ago$")).wait_for(
+        timeout=(flush_s + 6) * 1000
+    )
+
+    expired = page.locator(f'#keys tbody tr[data-key="{short["key_id"]}"]')
+    assert "expired" in (expired.get_attribute("class") or "")
+    assert expired.locator(".badge", has_text="expired").is_visible()
+    assert re.fullmatch(r"expired \d+s ago", cell(expired, "expires"))
+    plain = page.locator("#keys tbody tr", has_text="unnamed")
+    assert cell(plain, "scopes") == "inference, vectors, latches, usage"
+    assert cell(plain, "limits") == "the tenant's"
+    assert cell(plain, "expires") == "never" and cell(plain, "last_used") == "never"
+
+    # Another tenant's keys, chosen in the select.
+    select.select_option("bravo")
+    page.locator("#keys tbody tr").first.wait_for()
+    page.wait_for_function(
+        "() => document.querySelectorAll('#keys tbody tr[data-key]').length === 1"
+    )
+    assert "ci runner" not in page.locator("#keys").inner_text()
+    secrets = [default_key, bravo_key, ci["key"], short["key"], viewer["key"]]
+    no_secret_on_page(page, secrets)
+
+    # The bootstrap admin key sees the same.
+    page.get_by_role("button", name="Sign out").click()
+    sign_in(page, ops, ADMIN_KEY)
+    page.locator("#admin-view").wait_for(state="visible")
+    row.wait_for()
+    assert re.fullmatch(r"\d+s ago", cell(row, "last_used"))
+    assert cell(row, "scopes") == "inference, usage"
+    no_secret_on_page(page, [*secrets, ADMIN_KEY])
+
+
+def test_admin_sees_audit_entries_for_actions_just_made(page, ops: Ops) -> None:  # type: ignore[no-untyped-def]
+    tenant_key = ops.tenant("acme")  # tenant.create, key.create (by the bootstrap key)
+    created = ops.admin("POST", "/admin/keys", json={"role": "admin", "name": "ops"}).json()
+    as_ops = {"Authorization": f"Bearer {created['key']}"}
+    r = httpx.post(
+        ops.url + "/admin/tenants/acme/keys", headers=as_ops, json={"name": "nightly"}, timeout=10
+    )
+    assert r.status_code == 201, r.text
+    nightly = r.json()
+    r = httpx.delete(ops.url + f"/admin/keys/{nightly['key_id']}", headers=as_ops, timeout=10)
+    assert r.status_code == 204
+
+    sign_in(page, ops, ADMIN_KEY)
+    page.locator("#admin-view").wait_for(state="visible")
+    rows = page.locator("#audit tbody tr[data-audit]")
+    rows.first.wait_for()
+
+    def entry(i: int) -> dict[str, str]:
+        row = rows.nth(i)
+        return {
+            f: str(row.locator(f'[data-field="{f}"]').inner_text())
+            for f in ("time", "actor", "action", "target", "fields")
+        }
+
+    # Newest first: revoke, create (both by the new admin key), then the bootstrap's.
+    got = [entry(i) for i in range(rows.count())]
+    assert [e["action"] for e in got] == [
+        "key.revoke",
+        "key.create",
+        "admin_key.create",
+        "key.create",
+        "tenant.create",
+    ]
+    revoke, create, made_admin, first_key, tenant = got
+    assert revoke["actor"].split() == [created["key_id"], "admin"]
+    assert revoke["target"] == nightly["key_id"] and "tenant_id: acme" in revoke["fields"]
+    assert create["actor"].split() == [created["key_id"], "admin"]
+    assert create["target"] == nightly["key_id"]
+    assert "name: nightly" in create["fields"] and "tenant_id: acme" in create["fields"]
+    assert "scopes: inference, vectors, latches, usage" in create["fields"]
+    assert made_admin["actor"].split() == ["bootstrap", "admin"]
+    assert made_admin["target"] == created["key_id"] and "role: admin" in made_admin["fields"]
+    assert first_key["target"].startswith("key_")
+    assert tenant["target"] == "acme" and "limits.rpm: 600" in tenant["fields"]
+    now = datetime.datetime.now(datetime.UTC)
+    shown = datetime.datetime.strptime(revoke["time"], "%Y-%m-%d %H:%M:%S")
+    assert abs((now.replace(tzinfo=None) - shown).total_seconds()) < 60
+
+    # A write made while the page is open appears at the top, with what it changed.
+    r = ops.admin("PATCH", "/admin/tenants/acme", json={"limits": {"rpm": 900}})
+    assert r.status_code == 200
+    page.locator("#audit tbody tr[data-audit]").first.get_by_text("tenant.update").wait_for(
+        timeout=REFRESH_WAIT_MS
+    )
+    assert entry(0)["fields"] == "limits.rpm: 600 → 900"
+    assert entry(0)["target"] == "acme"
+
+    no_secret_on_page(page, [tenant_key, created["key"], nightly["key"], ADMIN_KEY])
+
+
+def test_admin_view_in_a_narrow_window_has_no_page_wide_scroll(browser, ops: Ops) -> None:  # type: ignore[no-untyped-def]
+    tenant = "a-rather-long-tenant-id-0123456"
+    ops.tenant(tenant, token_budget={"tokens": 9, "period": "month"})
+    ops.admin(
+        "POST",
+        f"/admin/tenants/{tenant}/keys",
+        json={"name": "a key with a long descriptive name " * 3, "limits": {"rpm": 5}},
+    )
+    context = browser.new_context(viewport={"width": 360, "height": 800})
+    page = context.new_page()
+    try:
+        sign_in(page, ops, ADMIN_KEY)
+        page.locator("#admin-view").wait_for(state="visible")
+        page.locator("#keys tbody tr[data-key]").first.wait_for()
+        page.locator("#audit tbody tr[data-audit]").first.wait_for()
+        assert page.evaluate("document.documentElement.scrollWidth") <= 361
+    finally:
+        context.close()

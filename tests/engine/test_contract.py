@@ -8,11 +8,10 @@ from typing import Any
 
 import pytest
 import torch
+from steergate.engine import plugin
+from steergate.engine.worker import contract, runner, runner_v2
+from steergate.engine.worker.contract import ContractError
 from torch import nn
-
-from engine import plugin
-from engine.worker import contract, runner, runner_v2
-from engine.worker.contract import ContractError
 
 vllm = pytest.importorskip("vllm")
 from vllm.config import CompilationConfig, ParallelConfig  # noqa: E402

@@ -18,14 +18,13 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import SecretStr
-
-from engine.http.plugin import SteeringEndpointPlugin
-from engine.http.rewrite import MAX_CACHE_SALT, SteeringRewriteMiddleware, salted
-from engine.http.runtime import RuntimeRef, SteeringRuntime
-from engine.payload import decode_payload, steering_digest
-from shared.codecs import encode_gguf_control_vector, encode_packed
-from shared.settings import EngineSettings
-from shared.steering import ModelShape
+from steergate.engine.http.plugin import SteeringEndpointPlugin
+from steergate.engine.http.rewrite import MAX_CACHE_SALT, SteeringRewriteMiddleware, salted
+from steergate.engine.http.runtime import RuntimeRef, SteeringRuntime
+from steergate.engine.payload import decode_payload, steering_digest
+from steergate.shared.codecs import encode_gguf_control_vector, encode_packed
+from steergate.shared.settings import EngineSettings
+from steergate.shared.steering import ModelShape
 
 TOKEN = "unit-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -7,8 +7,7 @@ import logging
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from engine.latch import Latch, LatchController, RateLimitedWarning, RefTerm
+from steergate.engine.latch import Latch, LatchController, RateLimitedWarning, RefTerm
 
 HIDDEN = 4
 SITE_BYTES = 4 * HIDDEN

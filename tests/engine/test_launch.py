@@ -5,8 +5,7 @@ from __future__ import annotations
 import sys
 
 import pytest
-
-from engine import launch
+from steergate.engine import launch
 
 
 def test_defaults_are_added_only_where_the_user_gave_none() -> None:

@@ -164,18 +164,17 @@ def _register_in_worker() -> dict[str, Any]:
     import torch
 
     before = {
-        "plugin_imported": "engine.plugin" in sys.modules,
+        "plugin_imported": "steergate.engine.plugin" in sys.modules,
         "has_op": hasattr(torch.ops.steergate, "steer"),
     }
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()
+    from steergate.engine import plugin as engine_plugin
+    from steergate.engine.worker import op
     from vllm.compilation import caching
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    import engine.plugin
-    from engine.worker import op
 
     # The op itself, through the dispatcher: hidden += table[index].
     table = torch.zeros(3, 4)
@@ -187,7 +186,7 @@ def _register_in_worker() -> dict[str, Any]:
     return {
         "pid": os.getpid(),
         "before": before,
-        "done": engine.plugin._done,
+        "done": engine_plugin._done,
         "cpu_runner_patched": bool(CPUModelRunner.__dict__.get("_steergate_patched")),
         "gpu_runner_patched": bool(GPUModelRunner.__dict__.get("_steergate_patched")),
         "compile_tagged": bool(

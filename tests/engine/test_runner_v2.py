@@ -16,11 +16,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-
-from engine.payload import XARGS_KEY, encode_payload
-from engine.worker import contract, runner_v2
-from engine.worker.contract import ContractError
-from engine.worker.tables import SteeringTables
+from steergate.engine.payload import XARGS_KEY, encode_payload
+from steergate.engine.worker import contract, runner_v2
+from steergate.engine.worker.contract import ContractError
+from steergate.engine.worker.tables import SteeringTables
 
 pytest.importorskip("vllm")
 import vllm.v1.worker.cpu.buffer_utils as cpu_buffers  # noqa: E402

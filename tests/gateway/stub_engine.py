@@ -27,13 +27,13 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import SecretStr
+from steergate.engine.http.plugin import SteeringEndpointPlugin
+from steergate.engine.http.runtime import SteeringRuntime
+from steergate.engine.payload import XARGS_KEY, decode_payload
+from steergate.shared import engine_api
+from steergate.shared.settings import EngineSettings
+from steergate.shared.steering import ModelShape
 
-from engine.http.plugin import SteeringEndpointPlugin
-from engine.http.runtime import SteeringRuntime
-from engine.payload import XARGS_KEY, decode_payload
-from shared import engine_api
-from shared.settings import EngineSettings
-from shared.steering import ModelShape
 from tests.gateway import stub_vllm
 
 HIDDEN, LAYERS = 8, 4
@@ -105,7 +105,7 @@ class StubEngine:
 
     def plant_latch(self, conversation_id: str) -> None:
         """Engine-side drift: a latch the engine holds that no gateway stored."""
-        from engine.latch import Latch
+        from steergate.engine.latch import Latch
 
         site = np.ones(HIDDEN, dtype=np.float32)
         self.runtime.controller.store(conversation_id, Latch("all", {("post_block", 0): site}))

@@ -7,8 +7,8 @@ from typing import Any
 
 import httpx
 import pytest
+from steergate.gateway import keys
 
-from gateway import keys
 from tests.gateway.ops_env import ADMIN, Ops, bearer, ops  # noqa: F401 - fixture
 from tests.harness import redis_client
 
@@ -296,7 +296,7 @@ def test_admin_engines_reports_status_and_a_down_engine(start_gateway, ops: Ops)
 
 
 def test_engine_urls_are_shown_without_credentials() -> None:
-    from gateway.overview import display_url
+    from steergate.gateway.overview import display_url
 
     assert display_url("http://user:secret@engine:8100") == "http://engine:8100"
     assert display_url("http://engine:8100") == "http://engine:8100"

@@ -14,14 +14,14 @@ from typing import Any
 
 import httpx
 import pytest
+from steergate.gateway import keys
+from steergate.gateway.accounting import Outcome, Settler
+from steergate.gateway.limits import Limiter, period_left_ms
+from steergate.gateway.scripts import Scripts
+from steergate.gateway.store import connect
+from steergate.gateway.tenants import TenantStore
+from steergate.shared.errors import APIError
 
-from gateway import keys
-from gateway.accounting import Outcome, Settler
-from gateway.limits import Limiter, period_left_ms
-from gateway.scripts import Scripts
-from gateway.store import connect
-from gateway.tenants import TenantStore
-from shared.errors import APIError
 from tests.gateway.conftest import make_tenant
 from tests.harness import redis_client
 

@@ -22,14 +22,14 @@ import httpx
 import pytest
 import redis
 import uvicorn
+from steergate.gateway.app import create_app
+from steergate.gateway.limits import Limiter
+from steergate.gateway.scripts import Scripts
+from steergate.gateway.server import connection_options
+from steergate.gateway.store import connect
+from steergate.gateway.tenants import TenantStore
+from steergate.shared.errors import APIError
 
-from gateway.app import create_app
-from gateway.limits import Limiter
-from gateway.scripts import Scripts
-from gateway.server import connection_options
-from gateway.store import connect
-from gateway.tenants import TenantStore
-from shared.errors import APIError
 from tests.gateway.conftest import ADMIN_KEY, ENGINE_TOKEN, PEPPER, gateway_settings, make_tenant
 from tests.gateway.servers import ServerThread
 from tests.gateway.stub_engine import StubEngine
@@ -468,7 +468,7 @@ def _tenant(url: str, tid: str, **limits: Any) -> Any:
 
 
 def test_an_admission_replayed_after_its_deadline_writes_nothing(fresh: RedisProcess) -> None:
-    from gateway.accounting import Settler
+    from steergate.gateway.accounting import Settler
 
     tenant = _tenant(fresh.url, "acme")
     r = redis.Redis.from_url(fresh.url, decode_responses=True)
@@ -499,8 +499,8 @@ def test_an_admission_replayed_after_its_deadline_writes_nothing(fresh: RedisPro
 def test_a_cancelled_admission_that_runs_late_takes_no_lease_and_a_resend_is_free(
     fresh: RedisProcess,
 ) -> None:
-    import gateway.limits as limits_mod
-    from gateway.accounting import Settler
+    import steergate.gateway.limits as limits_mod
+    from steergate.gateway.accounting import Settler
 
     tenant = _tenant(fresh.url, "acme", max_concurrency=1)
     r = redis.Redis.from_url(fresh.url, decode_responses=True)
@@ -542,7 +542,7 @@ def test_a_cancelled_admission_that_runs_late_takes_no_lease_and_a_resend_is_fre
 
 
 def _outcome(adm: Any) -> Any:
-    from gateway.accounting import Outcome
+    from steergate.gateway.accounting import Outcome
 
     return Outcome(adm, 200, 8, None)
 
@@ -556,7 +556,7 @@ async def _drain(settler: Any) -> None:
 
 
 def test_settlements_are_retried_until_redis_takes_them(fresh: RedisProcess) -> None:
-    from gateway.accounting import Settler
+    from steergate.gateway.accounting import Settler
 
     tenant = _tenant(fresh.url, "acme", max_concurrency=5)
     r = redis.Redis.from_url(fresh.url, decode_responses=True)
@@ -599,9 +599,9 @@ def test_settlements_are_retried_until_redis_takes_them(fresh: RedisProcess) -> 
 
 
 def test_back_pressure_sheds_the_tenant_with_the_most_queued_settlements_first() -> None:
-    from gateway.accounting import Outcome, Settler
-    from gateway.limits import Admission
-    from gateway.tenants import Tenant
+    from steergate.gateway.accounting import Outcome, Settler
+    from steergate.gateway.limits import Admission
+    from steergate.gateway.tenants import Tenant
 
     settler = Settler(None, None, max_pending=10)  # type: ignore[arg-type]
     churner, calm = Tenant(id="churn"), Tenant(id="calm")

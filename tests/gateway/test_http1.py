@@ -19,9 +19,8 @@ from dataclasses import dataclass, field
 
 import pytest
 import uvloop
-
-from gateway import http1
-from gateway.http1 import (
+from steergate.gateway import http1
+from steergate.gateway.http1 import (
     HIGH_WATER,
     Client,
     ConnectError,
@@ -29,7 +28,7 @@ from gateway.http1 import (
     ProtocolError,
     ReadTimeout,
 )
-from gateway.upstream import EnginePool
+from steergate.gateway.upstream import EnginePool
 
 Reader = asyncio.StreamReader
 Writer = asyncio.StreamWriter

@@ -17,10 +17,10 @@ from typing import Any
 import httpx
 import pytest
 from starlette.requests import Request
+from steergate.gateway import apikeys, auth
+from steergate.gateway.tenants import TenantStore
+from steergate.shared.cli import main
 
-from gateway import apikeys, auth
-from gateway.tenants import TenantStore
-from shared.cli import main
 from tests.gateway.conftest import ADMIN_KEY, PEPPER
 from tests.gateway.ops_env import ADMIN, Ops, bearer, chat_body, ops  # noqa: F401 - fixture
 from tests.gateway.servers import ServerThread
@@ -405,7 +405,7 @@ def test_last_used_appears_after_the_flush_and_costs_no_redis_write_per_request(
 
 
 def test_a_flush_after_revoke_or_tenant_delete_recreates_nothing(ops: Ops, redis_url: str) -> None:
-    from gateway import keys
+    from steergate.gateway import keys
 
     key = ops.tenant("acme")
     key_id = ops.admin("GET", "/admin/tenants/acme/keys").json()["keys"][0]["key_id"]

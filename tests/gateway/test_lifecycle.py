@@ -7,8 +7,8 @@ import time
 from typing import Any
 
 import httpx
+from steergate.gateway.app import create_app
 
-from gateway.app import create_app
 from tests.gateway.conftest import FakeEngine, gateway_settings, make_tenant
 from tests.gateway.servers import ServerThread
 from tests.gateway.test_request_path import CHAT, chat_body, inline, post
@@ -70,7 +70,7 @@ def test_logs_hold_no_keys_and_no_scoped_ids(
 
 
 def test_gateway_refuses_to_start_without_its_secrets(monkeypatch: Any, capsys: Any) -> None:
-    from gateway.server import main
+    from steergate.gateway.server import main
 
     for name in ("STEERGATE_ADMIN_KEY", "STEERGATE_KEY_PEPPER", "STEERGATE_ENGINE_TOKEN"):
         monkeypatch.delenv(name, raising=False)

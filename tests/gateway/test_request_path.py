@@ -55,7 +55,7 @@ def test_missing_malformed_unknown_and_revoked_keys_get_401(
 
 
 def test_reset_durations_use_openai_format() -> None:
-    from gateway.limits import duration
+    from steergate.gateway.limits import duration
 
     assert [duration(ms) for ms in (0, 20, 1000, 1500, 59_999, 360_000, 3_723_000)] == [
         "0ms",
@@ -73,7 +73,8 @@ def test_revoked_key_is_refused_by_a_replica_that_cached_it_within_1s(
 ) -> None:
     import asyncio
 
-    from gateway.tenants import TenantStore
+    from steergate.gateway.tenants import TenantStore
+
     from tests.gateway.conftest import PEPPER
 
     b = start_gateway()
@@ -310,8 +311,7 @@ def test_gguf_upload_is_decoded_and_forwarded_as_packed_float32(
     gateway: ServerThread, fake_engine: FakeEngine, redis_url: str
 ) -> None:
     import numpy as np
-
-    from shared.codecs import encode_gguf_control_vector
+    from steergate.shared.codecs import encode_gguf_control_vector
 
     key = make_tenant(redis_url, "acme")
     raw = encode_gguf_control_vector({1: np.ones(8, np.float32), 2: np.zeros(8, np.float32)})
@@ -473,8 +473,7 @@ def test_oversize_body_is_413(start_gateway: Any, redis_url: str) -> None:
 
 def test_nan_in_packed_vector_is_400(gateway: ServerThread, redis_url: str) -> None:
     import numpy as np
-
-    from shared.codecs import encode_packed
+    from steergate.shared.codecs import encode_packed
 
     key = make_tenant(redis_url, "acme")
     m = np.ones((1, 8), np.float32)

@@ -6,10 +6,10 @@ import asyncio
 import time
 
 import pytest
+from steergate.gateway import apikeys, keys
+from steergate.gateway.tenants import Limits, TenantStore
+from steergate.shared.errors import APIError
 
-from gateway import apikeys, keys
-from gateway.tenants import Limits, TenantStore
-from shared.errors import APIError
 from tests.harness import aredis_client
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

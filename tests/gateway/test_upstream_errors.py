@@ -4,8 +4,8 @@ ill-formed request, never is."""
 
 from __future__ import annotations
 
-from gateway import http1
-from gateway.upstream import Engine, EngineUnreachable, _unavailable
+from steergate.gateway import http1
+from steergate.gateway.upstream import Engine, EngineUnreachable, _unavailable
 
 
 def test_connect_failure_marks_the_engine_down_and_may_be_sent_elsewhere() -> None:

@@ -2,14 +2,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from shared.codecs import (
+from steergate.shared.codecs import (
     decode_gguf_control_vector,
     encode_gguf_control_vector,
     vector_digest,
 )
-from shared.errors import InvalidField
-from shared.scoping import check_conversation_id, scope, unscope
+from steergate.shared.errors import InvalidField
+from steergate.shared.scoping import check_conversation_id, scope, unscope
 
 
 def test_gguf_control_vector_round_trips_layer_by_layer() -> None:
@@ -25,7 +24,7 @@ def test_gguf_control_vector_round_trips_layer_by_layer() -> None:
 
 
 def test_gguf_rejects_garbage() -> None:
-    from shared.codecs import CodecError
+    from steergate.shared.codecs import CodecError
 
     with pytest.raises(CodecError):
         decode_gguf_control_vector(b"not a gguf file at all")

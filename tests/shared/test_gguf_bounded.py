@@ -15,9 +15,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from shared import gguf as bounded
-from shared.codecs import (
+from steergate.shared import gguf as bounded
+from steergate.shared.codecs import (
     CodecError,
     decode_gguf_control_vector,
     decode_gguf_off_loop,

@@ -9,10 +9,9 @@ from typing import Any
 import numpy as np
 import orjson
 import pytest
-
-from shared.errors import InvalidField
-from shared.jsondepth import MAX_JSON_DEPTH, check_json_depth, json_too_deep
-from shared.steering import (
+from steergate.shared.errors import InvalidField
+from steergate.shared.jsondepth import MAX_JSON_DEPTH, check_json_depth, json_too_deep
+from steergate.shared.steering import (
     FLOAT32_MAX,
     ModelShape,
     check_sites_finite,

@@ -7,9 +7,8 @@ import io
 import logging
 
 import pytest
+from steergate.shared import request_id
 from uvicorn.logging import AccessFormatter
-
-from shared import request_id
 
 
 @pytest.mark.parametrize(

@@ -6,10 +6,15 @@ import base64
 
 import numpy as np
 import pytest
-
-from shared.codecs import encode_packed
-from shared.errors import InvalidField
-from shared.steering import InlineTerm, ModelShape, NamedTerm, parse_steering, parse_vector_body
+from steergate.shared.codecs import encode_packed
+from steergate.shared.errors import InvalidField
+from steergate.shared.steering import (
+    InlineTerm,
+    ModelShape,
+    NamedTerm,
+    parse_steering,
+    parse_vector_body,
+)
 
 SHAPE = ModelShape(hidden_size=8, num_layers=4)
 

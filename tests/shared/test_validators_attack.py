@@ -12,14 +12,13 @@ from urllib.parse import quote
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-
-from engine.http.rewrite import _conversation_id as engine_conversation_id
-from engine.http.routes import _vector_name as engine_vector_name
-from gateway.apikeys import generate_key, looks_like_key
-from gateway.http1 import HTTPError, InvalidRequestTarget, check_target
-from gateway.units import parse_bytes
-from shared.errors import APIError
-from shared.scoping import (
+from steergate.engine.http.rewrite import _conversation_id as engine_conversation_id
+from steergate.engine.http.routes import _vector_name as engine_vector_name
+from steergate.gateway.apikeys import generate_key, looks_like_key
+from steergate.gateway.http1 import HTTPError, InvalidRequestTarget, check_target
+from steergate.gateway.units import parse_bytes
+from steergate.shared.errors import APIError
+from steergate.shared.scoping import (
     CONVERSATION_ID_RE,
     ENGINE_CONVERSATION_ID_RE,
     ENGINE_VECTOR_NAME_RE,
@@ -33,7 +32,7 @@ from shared.scoping import (
     scope,
     unscope,
 )
-from shared.steering import ModelShape, parse_steering
+from steergate.shared.steering import ModelShape, parse_steering
 
 SHAPE = ModelShape(hidden_size=8, num_layers=4)
 CONTROL = [chr(c) for c in range(0x20)] + ["\x7f"]

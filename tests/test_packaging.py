@@ -1,0 +1,100 @@
+"""One installable namespace (issue 15): a wheel of this project adds exactly one
+top-level name, ``steergate``, to the environment it is installed in (shared with vLLM
+and everything else), with the Lua scripts and dashboard files inside it and the
+entry points pointing into it; an image that copies only some folders (the gateway
+image has no ``engine/``) still builds."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from tests.harness import ROOT
+
+
+def build_wheel(src: Path, out: Path) -> Path:
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(src)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    (wheel,) = out.glob("steergate-*.whl")
+    return wheel
+
+
+def copy_source(dest: Path, folders: tuple[str, ...]) -> Path:
+    """The files an image copies (pip builds in the source tree: not in this one)."""
+    dest.mkdir()
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy(ROOT / name, dest / name)
+    for folder in folders:
+        shutil.copytree(ROOT / folder, dest / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    return dest
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = copy_source(tmp / "src", ("steergate", "shared", "gateway", "engine"))
+    return build_wheel(src, tmp / "out")
+
+
+def test_the_wheel_holds_one_top_level_package_with_its_data(wheel: Path) -> None:
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/", 1)[0] for n in names if ".dist-info/" not in n}
+    assert tops == {"steergate"}
+    for folder in ("gateway", "engine", "shared"):
+        for init in (ROOT / folder).rglob("__init__.py"):
+            if "__pycache__" in init.parts:
+                continue
+            rel = init.relative_to(ROOT).as_posix()
+            assert f"steergate/{rel}" in names, f"{rel} missing from the wheel"
+    assert "steergate/gateway/lua/admit_request.lua" in names
+    assert "steergate/gateway/static/dashboard.js" in names
+    entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    text = zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "steergate = steergate.shared.cli:main" in text
+    assert "steergate = steergate.engine.plugin:register" in text
+    assert "steergate = steergate.engine.http.plugin:SteeringEndpointPlugin" in text
+
+
+def test_installing_the_wheel_adds_only_steergate(wheel: Path, tmp_path: Path) -> None:
+    env = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=True).create(env)
+    py = env / "bin" / "python"
+    site = Path(
+        subprocess.run(
+            [py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            check=True, capture_output=True, text=True,
+        ).stdout.strip()
+    )  # fmt: skip
+    before = {p.name for p in site.iterdir()}
+    subprocess.run(
+        [py, "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    added = {p.name for p in site.iterdir()} - before
+    assert {n for n in added if not n.endswith(".dist-info")} == {"steergate"}, added
+    # the package is importable as installed (not from this checkout) and has no
+    # path extension there: its folders are inside it
+    out = subprocess.run(
+        [py, "-c", "import steergate, steergate.shared.cli as j; "
+         "print(steergate.__path__, j.__file__)"],
+        check=True, capture_output=True, text=True, cwd=tmp_path,
+    ).stdout  # fmt: skip
+    assert str(site / "steergate") in out and str(ROOT) not in out
+
+
+def test_an_image_without_engine_folder_builds_without_it(tmp_path: Path) -> None:
+    # what docker/gateway.Dockerfile copies
+    src = copy_source(tmp_path / "src", ("steergate", "shared", "gateway"))
+    names = zipfile.ZipFile(build_wheel(src, tmp_path / "out")).namelist()
+    assert "steergate/gateway/app.py" in names
+    assert not any(n.startswith("steergate/engine/") for n in names)
