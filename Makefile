@@ -33,7 +33,7 @@ test-fast: install
 	$(PY) -m pytest -m "not engine and not browser"
 
 lint: install
-	$(VENV)/bin/ruff check steergate shared engine gateway tests bench setup.py
+	$(VENV)/bin/ruff check steergate shared engine gateway cli tests bench setup.py
 
 bench: install
 	$(PY) bench/gateway_overhead.py

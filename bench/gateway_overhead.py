@@ -249,7 +249,7 @@ def start_gateway(port: int, mock_port: int, redis_url: str | None) -> subproces
     env.pop("REDIS_URL", None)
     if redis_url:
         env["REDIS_URL"] = redis_url
-    cmd = [sys.executable, "-m", "steergate.shared.cli", "gateway", "--port", str(port)]
+    cmd = [sys.executable, "-m", "steergate.cli", "gateway", "--port", str(port)]
     return subprocess.Popen([*cmd, "--log-level", "warning"], cwd=ROOT, env=env)
 
 

@@ -24,6 +24,7 @@ WORKDIR /app
 COPY pyproject.toml setup.py README.md ./
 COPY steergate ./steergate
 COPY shared ./shared
+COPY cli ./cli
 COPY engine ./engine
 RUN pip install ".[engine-cpu]"
 

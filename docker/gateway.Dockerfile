@@ -14,6 +14,7 @@ WORKDIR /app
 COPY pyproject.toml setup.py README.md ./
 COPY steergate ./steergate
 COPY shared ./shared
+COPY cli ./cli
 COPY gateway ./gateway
 RUN pip install ".[gateway,otel]" \
  && python -c "import importlib.util as u, sys; bad = [m for m in ('torch', 'vllm') if u.find_spec(m)]; sys.exit(f'gateway image must not contain {bad}' if bad else 0)"

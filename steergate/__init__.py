@@ -7,7 +7,7 @@ folders are its subpackages (``pyproject.toml``'s package-dir mapping):
 * ``steergate.engine`` (``engine/``): the vLLM plugins (steering op, latches, routes),
 * ``steergate.shared`` (``shared/``): what both sides use (contract, errors, CLI).
 
-In a source checkout (tests, ``python -m steergate.shared.cli`` from the repository
+In a source checkout (tests, ``python -m steergate.cli`` from the repository
 root) the folders sit beside this one, so they are added to this package's path; an
 installed wheel holds them inside it, and the path is left alone.
 """

@@ -147,7 +147,7 @@ def tiny_model_dir() -> Path:
     path = CACHE / "tiny-model"
     if not (path / "config.json").exists():
         subprocess.run(
-            [sys.executable, "-m", "steergate.shared.cli", "tiny-model", str(path)],
+            [sys.executable, "-m", "steergate.cli", "tiny-model", str(path)],
             check=True,
             cwd=ROOT,
         )
@@ -188,7 +188,7 @@ class EngineProcess:
             [
                 sys.executable,
                 "-m",
-                "steergate.shared.cli",
+                "steergate.cli",
                 "engine",
                 "--model",
                 str(self.model),
@@ -248,7 +248,7 @@ class GatewayProcess:
         self.log_path = CACHE / f"gateway-{self.port}.log"
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "steergate.shared.cli", "gateway", "--port", str(self.port)],
+            [sys.executable, "-m", "steergate.cli", "gateway", "--port", str(self.port)],
             cwd=ROOT,
             env={**os.environ, **self.env},
             stdout=log,

@@ -42,7 +42,7 @@ def copy_source(dest: Path, folders: tuple[str, ...]) -> Path:
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("wheel")
-    src = copy_source(tmp / "src", ("steergate", "shared", "gateway", "engine"))
+    src = copy_source(tmp / "src", ("steergate", "shared", "gateway", "engine", "cli"))
     return build_wheel(src, tmp / "out")
 
 
@@ -50,7 +50,7 @@ def test_the_wheel_holds_one_top_level_package_with_its_data(wheel: Path) -> Non
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/", 1)[0] for n in names if ".dist-info/" not in n}
     assert tops == {"steergate"}
-    for folder in ("gateway", "engine", "shared"):
+    for folder in ("gateway", "engine", "shared", "cli"):
         for init in (ROOT / folder).rglob("__init__.py"):
             if "__pycache__" in init.parts:
                 continue
@@ -60,7 +60,7 @@ def test_the_wheel_holds_one_top_level_package_with_its_data(wheel: Path) -> Non
     assert "steergate/gateway/static/dashboard.js" in names
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
-    assert "steergate = steergate.shared.cli:main" in text
+    assert "steergate = steergate.cli.main:main" in text
     assert "steergate = steergate.engine.plugin:register" in text
     assert "steergate = steergate.engine.http.plugin:SteeringEndpointPlugin" in text
 
@@ -85,7 +85,7 @@ def test_installing_the_wheel_adds_only_steergate(wheel: Path, tmp_path: Path) -
     # the package is importable as installed (not from this checkout) and has no
     # path extension there: its folders are inside it
     out = subprocess.run(
-        [py, "-c", "import steergate, steergate.shared.cli as j; "
+        [py, "-c", "import steergate, steergate.cli as j; "
          "print(steergate.__path__, j.__file__)"],
         check=True, capture_output=True, text=True, cwd=tmp_path,
     ).stdout  # fmt: skip
@@ -94,7 +94,7 @@ def test_installing_the_wheel_adds_only_steergate(wheel: Path, tmp_path: Path) -
 
 def test_an_image_without_engine_folder_builds_without_it(tmp_path: Path) -> None:
     # what docker/gateway.Dockerfile copies
-    src = copy_source(tmp_path / "src", ("steergate", "shared", "gateway"))
+    src = copy_source(tmp_path / "src", ("steergate", "shared", "gateway", "cli"))
     names = zipfile.ZipFile(build_wheel(src, tmp_path / "out")).namelist()
     assert "steergate/gateway/app.py" in names
     assert not any(n.startswith("steergate/engine/") for n in names)

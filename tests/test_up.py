@@ -72,7 +72,7 @@ def _start(tmp: Path) -> Up:
     port = free_port()
     stderr_path = tmp / "up.stderr"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "steergate.shared.cli", "up", "--port", str(port)],
+        [sys.executable, "-m", "steergate.cli", "up", "--port", str(port)],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=open(stderr_path, "w"), text=True,
     )
     handle = Up(proc, port, stderr_path)

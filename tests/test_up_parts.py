@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-from steergate.gateway import up
+from steergate.cli import up
 from steergate.shared.settings import GatewaySettings
 
 # A leader that starts two grandchildren, one of which ignores SIGTERM (as a
@@ -143,7 +143,7 @@ def test_up_refuses_a_taken_port_before_starting_the_engine(tmp_path: Path) -> N
         port = taken.getsockname()[1]
         started = time.monotonic()
         out = subprocess.run(
-            [sys.executable, "-m", "steergate.shared.cli", "up", "--port", str(port)],
+            [sys.executable, "-m", "steergate.cli", "up", "--port", str(port)],
             capture_output=True, text=True, timeout=60,
             env={**os.environ, "STEERGATE_HOME": str(tmp_path)},
         )

@@ -8,8 +8,8 @@ import json
 import re
 
 import pytest
+from steergate.cli.main import main
 from steergate.gateway.units import format_bytes, parse_bytes
-from steergate.shared.cli import main
 
 from tests.gateway.conftest import ADMIN_KEY
 from tests.gateway.ops_env import Ops, ops  # noqa: F401 - fixture

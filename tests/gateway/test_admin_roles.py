@@ -13,8 +13,8 @@ from typing import Any
 
 import httpx
 import pytest
+from steergate.cli.main import main
 from steergate.gateway import apikeys
-from steergate.shared.cli import main
 
 from tests.gateway.conftest import ADMIN_KEY, PEPPER
 from tests.gateway.ops_env import ADMIN, Ops, bearer, ops  # noqa: F401 - fixture

@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from steergate.cli.main import main
 from steergate.gateway import apikeys, audit, keys
-from steergate.shared.cli import main
 
 from tests.gateway.conftest import ADMIN_KEY, PEPPER
 from tests.gateway.ops_env import Ops, bearer, ops  # noqa: F401 - fixture

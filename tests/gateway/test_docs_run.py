@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from steergate.gateway import up
+from steergate.cli import up
 
 from tests.gateway.conftest import ADMIN_KEY, ENGINE_TOKEN, FakeEngine
 from tests.gateway.servers import ServerThread

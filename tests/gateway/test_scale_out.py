@@ -41,7 +41,7 @@ class GatewayProcess:
             "STEERGATE_RECONCILE_INTERVAL_S": "0.2",
         }
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "steergate.shared.cli", "gateway", "--port", str(self.port)],
+            [sys.executable, "-m", "steergate.cli", "gateway", "--port", str(self.port)],
             cwd=ROOT,
             env=env,
             stdout=subprocess.DEVNULL,

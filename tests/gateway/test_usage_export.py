@@ -18,8 +18,8 @@ from typing import Any
 
 import httpx
 import pytest
+from steergate.cli.main import main
 from steergate.gateway import keys, usage
-from steergate.shared.cli import main
 
 from tests.gateway.conftest import ADMIN_KEY
 from tests.gateway.ops_env import ADMIN, Ops, bearer, chat_body, ops  # noqa: F401 - fixture

@@ -63,7 +63,7 @@ def steergate_home() -> Path:
 
 def _generate_tiny_model(path: Path) -> None:
     subprocess.run(
-        [sys.executable, "-m", "steergate.shared.cli", "tiny-model", str(path)],
+        [sys.executable, "-m", "steergate.cli", "tiny-model", str(path)],
         check=True, stdout=subprocess.DEVNULL,
     )
 
@@ -238,7 +238,7 @@ class Engine:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.env, "STEERGATE_ENGINE_TOKEN": self.token}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "steergate.shared.cli", "engine", "--model", self.model,
+            [sys.executable, "-m", "steergate.cli", "engine", "--model", self.model,
              "--port", str(self.port), *self.extra_args],
             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             start_new_session=True, preexec_fn=_die_with_parent,

@@ -30,12 +30,12 @@ COMMANDS: dict[str, str] = {
     "engine": "steergate.engine.launch:main",
     "tiny-model": "steergate.engine.tiny_model:main",
     "gateway": "steergate.gateway.server:main",
-    "up": "steergate.gateway.up:main",
-    "tenant": "steergate.gateway.admin_cli:tenant_main",
-    "key": "steergate.gateway.admin_cli:key_main",
-    "admin-key": "steergate.gateway.admin_cli:admin_key_main",
-    "audit": "steergate.gateway.admin_cli:audit_main",
-    "usage": "steergate.gateway.admin_cli:usage_main",
+    "up": "steergate.cli.up:main",
+    "tenant": "steergate.cli.admin:tenant_main",
+    "key": "steergate.cli.admin:key_main",
+    "admin-key": "steergate.cli.admin:admin_key_main",
+    "audit": "steergate.cli.admin:audit_main",
+    "usage": "steergate.cli.admin:usage_main",
 }
 
 
