@@ -14,6 +14,7 @@ import statistics
 import time
 
 import numpy as np
+
 from steergate.engine.latch import Latch, LatchController, RefTerm
 
 

@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _payloads(n: int, hidden: int, layers: int, hooks: list[str]) -> list[str]:
     import numpy as np
+
     from steergate.engine.payload import encode_payload
 
     rng = np.random.default_rng(0)
@@ -42,6 +43,7 @@ def _micro(hidden: int, sites: int, tokens: int, iters: int = 2000) -> None:
     """The op alone, per forward (all sites), for one decode step of ``tokens`` tokens:
     idle (no live table: the CPU early exit) and active (every token its own slot)."""
     import torch
+
     from steergate.engine.worker import op
 
     tables = [torch.zeros(tokens + 1, hidden, dtype=torch.bfloat16) for _ in range(sites)]

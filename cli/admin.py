@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 from rich.console import Console
 from rich.table import Table
+
 from steergate.cli.tables import (
     admin_key_table,
     audit_table,

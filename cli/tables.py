@@ -15,6 +15,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+
 from steergate.gateway.units import format_bytes, format_percent
 
 QUOTAS: tuple[tuple[str, str, bool], ...] = (

@@ -33,6 +33,7 @@ from typing import IO, Any, NoReturn
 import httpx
 import numpy as np
 from pydantic import SecretStr
+
 from steergate.shared.settings import GatewaySettings
 
 DEMO_TENANT = "demo"
@@ -443,6 +444,7 @@ def _log_store(redis_url: str | None) -> str:
 async def _serve(settings: GatewaySettings, engine: Engine, info: dict[str, Any], *, tiny: bool,
                  store: str) -> int:
     import uvicorn
+
     from steergate.gateway.app import create_app
 
     server = uvicorn.Server(uvicorn.Config(

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
+
 from steergate.shared.engine_api import LatchState
 from steergate.shared.latch_spec import LatchSpec, latch_digest
 

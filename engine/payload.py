@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
+
 from steergate.shared.codecs import b64_to_f32, f32_to_b64
 
 XARGS_KEY = "steergate"

@@ -20,6 +20,7 @@ def register() -> None:
     if _done:
         return
     import vllm
+
     from steergate.engine.worker import compile_tag, contract, op, runner, runner_v2  # noqa: F401  (op: registers steergate::steer)
 
     contract.raise_if(

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
 from steergate.shared.codecs import encode_packed, vector_digest
 
 FLOAT32_BYTES = 4

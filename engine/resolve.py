@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from steergate.engine.latch import Latch, LatchController, RefTerm, Site
 from steergate.engine.registry import VectorRegistry
 from steergate.shared.engine_api import LatchState

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis.exceptions import NoScriptError, ResponseError
+
 from steergate.gateway import keys
 from steergate.gateway.limits import Admission
 from steergate.gateway.scripts import Scripts, evalsha
@@ -256,13 +257,13 @@ class Settler:
         bare = Admission(
             adm.tenant,
             adm.lease_id,
-            adm.minute,
             adm.reserved_tokens,
             None,
             False,
             "",
             [],
             lease_expiry_ms=adm.lease_expiry_ms,
+            key_id=adm.key_id,  # its key's lease is released too
         )
         self._enqueue(_Item(Outcome(bare, 0, 0, None, cancelled=True), adm.lease_expiry_ms))
 

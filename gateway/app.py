@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from steergate.gateway import keys, openapi, tracing
 from steergate.gateway.accounting import Settler
 from steergate.gateway.deps import Services
@@ -133,7 +134,7 @@ def create_app(settings: GatewaySettings | None = None, *, redis: Redis | None =
         app.state.tenants = svc.tenants
         stop = asyncio.Event()
         tasks = [
-            asyncio.create_task(svc.tenants.listen_for_invalidations(stop)),
+            asyncio.create_task(svc.tenants.events.listen(stop)),
             asyncio.create_task(svc.tenants.key_use.run(stop)),  # keys' last use, batched
             asyncio.create_task(svc.settler.run(stop)),
             asyncio.create_task(_start_engines(svc, stop)),

@@ -20,6 +20,7 @@ import math
 from typing import Any
 
 import orjson
+
 from steergate.gateway import keys
 from steergate.gateway.store import Redis, store_errors
 

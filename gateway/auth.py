@@ -17,8 +17,9 @@ import time
 from typing import Annotated
 
 from fastapi import Depends, Request
+
 from steergate.gateway.apikeys import same_secret
-from steergate.gateway.tenants import BOOTSTRAP_ADMIN, AdminKey, Tenant
+from steergate.gateway.records import BOOTSTRAP_ADMIN, AdminKey, Tenant
 from steergate.gateway.tracing import span
 from steergate.shared.errors import APIError
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Request
+
 from steergate.gateway.accounting import Settler
 from steergate.gateway.engine_sync import EngineSync
 from steergate.gateway.engines import EngineClient

@@ -19,6 +19,7 @@ import time
 from collections import defaultdict
 
 import orjson
+
 from steergate.gateway import keys
 from steergate.gateway.engines import EngineClient
 from steergate.gateway.store import Redis

@@ -21,6 +21,7 @@ import logging
 from typing import Any
 
 import orjson
+
 from steergate.gateway.upstream import Engine, EnginePool, UpstreamResponse, UpstreamStream
 from steergate.shared import engine_api
 from steergate.shared.errors import APIError

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from steergate.gateway import keys
+from steergate.gateway.records import Tenant
 from steergate.gateway.scripts import Scripts, evalsha
 from steergate.gateway.store import store_errors, store_unavailable
-from steergate.gateway.tenants import Tenant
 from steergate.gateway.tracing import span
 from steergate.shared.errors import APIError
 
@@ -83,7 +83,6 @@ class Admission:
 
     tenant: Tenant
     lease_id: str
-    minute: int
     reserved_tokens: int
     conversation_id: str | None
     latch: bool
@@ -266,7 +265,7 @@ class Limiter:
                     )
         except APIError:
             if self.settler is not None:  # it may still run (a hung Redis replays it)
-                lost = Admission(tenant, lease_id, minute, cost, None, False, "", [])
+                lost = Admission(tenant, lease_id, cost, None, False, "", [])
                 lost.lease_expiry_ms = expiry_ms
                 lost.key_id = key_id
                 self.settler.cancel(lost)
@@ -274,7 +273,7 @@ class Limiter:
                 raise
             log.warning("rate-limit store unavailable: admitting UNMETERED (fail-open is set)")
             return Admission(
-                tenant, lease_id, minute, 0, conversation_id, False, "", [], unmetered=True
+                tenant, lease_id, 0, conversation_id, False, "", [], unmetered=True
             )
         headers = _headers(tenant, r)
         names = list(vector_names or ())
@@ -287,7 +286,6 @@ class Limiter:
         adm = Admission(
             tenant=tenant,
             lease_id=lease_id,
-            minute=minute,
             reserved_tokens=cost,
             conversation_id=conversation_id,
             latch=latch,

@@ -10,7 +10,7 @@ from typing import Any
 
 from steergate.gateway.accounting import Outcome
 from steergate.gateway.deps import Services
-from steergate.gateway.tenants import Tenant
+from steergate.gateway.records import Tenant
 from steergate.gateway.upstream import UpstreamResponse
 from steergate.shared.errors import APIError
 

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
+
 from steergate.gateway import usage
 from steergate.gateway.metrics import Metrics
 

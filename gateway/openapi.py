@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import Depends, FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
+
 from steergate.gateway.auth import require_admin
 from steergate.shared.scoping import CONVERSATION_ID_RE, TENANT_ID_RE, VECTOR_NAME_RE
 

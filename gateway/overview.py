@@ -14,8 +14,9 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BaseModel
+
 from steergate.gateway.engines import EngineClient
-from steergate.gateway.tenants import DEFAULT_ENGINE_CAPS, Tenant
+from steergate.gateway.records import DEFAULT_ENGINE_CAPS, Tenant
 from steergate.gateway.upstream import Engine
 from steergate.shared.errors import APIError
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+
 from steergate.gateway import keys
 from steergate.gateway.deps import Services
 from steergate.gateway.engines import miss_code

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from steergate.gateway.limits import estimate_tokens
-from steergate.gateway.tenants import Tenant
+from steergate.gateway.records import Tenant
 from steergate.shared.errors import InvalidField
 from steergate.shared.latch_spec import LatchSpec, sum_inline
 from steergate.shared.scoping import check_conversation_id, check_vector_name, scope

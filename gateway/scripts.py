@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis.exceptions import NoScriptError
+
 from steergate.gateway.store import Redis, lua_source
 
 

@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     import uvicorn
+
     from steergate.gateway.app import create_app
 
     logging.basicConfig(

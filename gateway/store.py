@@ -24,6 +24,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
 from steergate.shared.errors import APIError
 
 log = logging.getLogger("steergate.gateway.store")

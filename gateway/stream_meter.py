@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import orjson
+
 from steergate.gateway.limits import CHARS_PER_TOKEN, estimate_tokens
 
 _TEXT_FIELDS = ("content", "reasoning", "reasoning_content", "refusal")

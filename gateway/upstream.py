@@ -26,6 +26,7 @@ from typing import Any
 from urllib.parse import urlencode, urlsplit
 
 import orjson
+
 from steergate.gateway import http1, tracing
 from steergate.shared import engine_api, request_id
 from steergate.shared.errors import APIError

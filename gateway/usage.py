@@ -39,9 +39,10 @@ from typing import Any, Literal
 
 import orjson
 from pydantic import BaseModel, Field
+
 from steergate.gateway import keys
+from steergate.gateway.records import Limits, Tenant
 from steergate.gateway.store import Redis, store_errors
-from steergate.gateway.tenants import Limits, Tenant
 from steergate.shared.errors import InvalidField
 
 HISTORY_MINUTES = 60

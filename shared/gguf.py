@@ -23,6 +23,7 @@ import re
 import struct
 
 import numpy as np
+
 from steergate.shared.codecs import CodecError, decode_packed_bytes
 
 __all__ = ["LIMITS", "GGUFLimits", "read_control_vector"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 
 import numpy as np
+
 from steergate.shared.asgi import (
     ASGIApp,
     Receive,

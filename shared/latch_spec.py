@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
 from steergate.shared.codecs import b64_to_f32, f32_to_b64
 from steergate.shared.steering import HOOKS, PHASES, InlineTerm
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
 from steergate.shared.engine_api import DEFAULT_MAX_LATCHED_BYTES, DEFAULT_MAX_LATCHED_CONVERSATIONS
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
 from steergate.shared.codecs import DTYPES, CodecError, b64decode_strict, decode_packed_bytes
 from steergate.shared.errors import InvalidField
 

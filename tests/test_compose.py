@@ -16,9 +16,9 @@ import tomllib
 import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
-from steergate.shared.settings import EngineSettings, GatewaySettings
 
 from scripts.config_table import env_names
+from steergate.shared.settings import EngineSettings, GatewaySettings
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())

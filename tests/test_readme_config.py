@@ -6,9 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from steergate.shared.settings import EngineSettings, GatewaySettings
-
 from scripts import config_table
+from steergate.shared.settings import EngineSettings, GatewaySettings
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()

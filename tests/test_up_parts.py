@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
+
 from steergate.cli import up
 from steergate.shared.settings import GatewaySettings
 

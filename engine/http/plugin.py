@@ -19,6 +19,7 @@ from argparse import Namespace
 from typing import Any
 
 from fastapi import FastAPI
+
 from steergate.engine.http.auth import EngineTokenMiddleware
 from steergate.engine.http.rewrite import SteeringRewriteMiddleware
 from steergate.engine.http.routes import build_router

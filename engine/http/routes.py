@@ -13,6 +13,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
+
 from steergate.engine.http.runtime import RuntimeRef
 from steergate.shared import engine_api
 from steergate.shared.codecs import CodecError, decode_gguf_off_loop

@@ -22,9 +22,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
+
 from steergate.engine.worker import op
 from steergate.engine.worker.tables import SteeringTables
-from torch import nn
 
 _WRAPPED = "_steergate_wrapped"
 

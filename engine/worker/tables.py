@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
 from steergate.engine.payload import Payload
 from steergate.engine.worker import op
 

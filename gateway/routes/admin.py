@@ -21,12 +21,13 @@ import orjson
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
+
 from steergate.gateway import audit, usage
 from steergate.gateway.auth import require_admin
 from steergate.gateway.deps import get_services
 from steergate.gateway.engines import EngineClient
 from steergate.gateway.overview import capacity, engine_statuses
-from steergate.gateway.tenants import (
+from steergate.gateway.records import (
     ADMIN_ROLES,
     DEFAULT_GRACE_S,
     KEY_FIELDS,
@@ -36,8 +37,8 @@ from steergate.gateway.tenants import (
     KeyLimits,
     Limits,
     Tenant,
-    TenantStore,
 )
+from steergate.gateway.tenants import TenantStore
 from steergate.shared import request_id
 from steergate.shared.errors import APIError, InvalidField
 from steergate.shared.jsondepth import check_json_depth

@@ -13,6 +13,7 @@ from importlib import resources
 
 from fastapi import APIRouter
 from fastapi.responses import Response
+
 from steergate.shared.errors import APIError
 
 router = APIRouter(include_in_schema=False)

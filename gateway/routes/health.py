@@ -6,6 +6,7 @@ import asyncio
 
 import orjson
 from fastapi import APIRouter, Response
+
 from steergate.gateway.deps import ServicesDep
 
 router = APIRouter(tags=["health"])

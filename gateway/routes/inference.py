@@ -22,6 +22,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.routing import request_response
+
 from steergate.gateway.accounting import Outcome
 from steergate.gateway.auth import get_tenant
 from steergate.gateway.deps import Services, get_services

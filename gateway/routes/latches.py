@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import orjson
 from fastapi import APIRouter, Response
+
 from steergate.gateway import keys
 from steergate.gateway.auth import TenantDep
 from steergate.gateway.deps import ServicesDep

@@ -14,6 +14,7 @@ import time
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
+
 from steergate.gateway import usage
 from steergate.gateway.auth import require_metrics_reader
 from steergate.gateway.deps import Services, get_services

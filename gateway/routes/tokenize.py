@@ -13,6 +13,7 @@ from typing import Any
 
 import orjson
 from fastapi import APIRouter, Request, Response
+
 from steergate.gateway.auth import TenantDep
 from steergate.gateway.deps import ServicesDep
 from steergate.gateway.metered import metered_call

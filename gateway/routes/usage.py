@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter
+
 from steergate.gateway import usage
 from steergate.gateway.auth import TenantDep
 from steergate.gateway.deps import ServicesDep

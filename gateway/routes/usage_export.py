@@ -16,6 +16,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Query
 from fastapi.responses import JSONResponse, Response
+
 from steergate.gateway import usage
 from steergate.gateway.auth import TenantDep, require_admin
 from steergate.gateway.deps import ServicesDep

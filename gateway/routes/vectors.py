@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import orjson
 from fastapi import APIRouter, Request, Response
+
 from steergate.gateway import keys
 from steergate.gateway.accounting import Outcome
 from steergate.gateway.auth import TenantDep

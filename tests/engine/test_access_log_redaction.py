@@ -6,9 +6,9 @@ from __future__ import annotations
 import logging
 
 import pytest
-from steergate.engine.http.plugin import ScopedIdRedactor, redact_access_log
 from uvicorn.logging import AccessFormatter
 
+from steergate.engine.http.plugin import ScopedIdRedactor, redact_access_log
 from tests.engine.test_engine_http_unit import make_app
 
 

@@ -8,10 +8,11 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
+
 from steergate.engine import plugin
 from steergate.engine.worker import contract, runner, runner_v2
 from steergate.engine.worker.contract import ContractError
-from torch import nn
 
 vllm = pytest.importorskip("vllm")
 from vllm.config import CompilationConfig, ParallelConfig  # noqa: E402

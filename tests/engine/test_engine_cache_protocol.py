@@ -8,10 +8,10 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+
 from steergate.engine.latch import Latch
 from steergate.shared.engine_api import EXPECT_FIELD
 from steergate.shared.latch_spec import LatchSpec, decode_spec
-
 from tests.engine.test_engine_http_unit import (
     AUTH,
     HIDDEN,

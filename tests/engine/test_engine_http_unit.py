@@ -18,6 +18,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import SecretStr
+
 from steergate.engine.http.plugin import SteeringEndpointPlugin
 from steergate.engine.http.rewrite import MAX_CACHE_SALT, SteeringRewriteMiddleware, salted
 from steergate.engine.http.runtime import RuntimeRef, SteeringRuntime

@@ -7,6 +7,7 @@ import logging
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from steergate.engine.latch import Latch, LatchController, RateLimitedWarning, RefTerm
 
 HIDDEN = 4

@@ -9,9 +9,9 @@ from typing import Any
 
 import httpx
 import pytest
+
 from steergate.engine.http.exact import prompt_key
 from steergate.engine.http.rewrite import salted
-
 from tests.engine.test_engine_http_unit import AUTH, chat, inline, make_app, payload_of
 
 

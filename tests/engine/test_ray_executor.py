@@ -170,11 +170,12 @@ def _register_in_worker() -> dict[str, Any]:
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()
-    from steergate.engine import plugin as engine_plugin
-    from steergate.engine.worker import op
     from vllm.compilation import caching
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from steergate.engine import plugin as engine_plugin
+    from steergate.engine.worker import op
 
     # The op itself, through the dispatcher: hidden += table[index].
     table = torch.zeros(3, 4)

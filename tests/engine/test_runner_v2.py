@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+
 from steergate.engine.payload import XARGS_KEY, encode_payload
 from steergate.engine.worker import contract, runner_v2
 from steergate.engine.worker.contract import ContractError

@@ -5,11 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch import nn
+
 from steergate.engine.payload import decode_payload, encode_payload
 from steergate.engine.worker import op
 from steergate.engine.worker.layers import find_decoder_layers, wrap_layers
 from steergate.engine.worker.tables import SteeringTables, StepRequest
-from torch import nn
 
 H = 8
 
@@ -251,8 +252,9 @@ def test_aot_compile_cache_key_carries_the_steergate_factor() -> None:
     graph compiled by plain vLLM (no op in it) could be loaded and never steer."""
     from unittest import mock
 
-    from steergate.engine.worker import compile_tag
     from vllm.compilation import caching
+
+    from steergate.engine.worker import compile_tag
 
     cfg = mock.Mock()
     cfg.compute_hash.return_value = "cfg-hash"

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+
 from steergate.gateway.app import create_app
 from steergate.gateway.tenants import TenantStore
 from steergate.shared.settings import GatewaySettings
-
 from tests.gateway.servers import ServerThread
 from tests.gateway.stub_engine import StubEngine
 from tests.harness import aredis_client

@@ -27,13 +27,13 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import SecretStr
+
 from steergate.engine.http.plugin import SteeringEndpointPlugin
 from steergate.engine.http.runtime import SteeringRuntime
 from steergate.engine.payload import XARGS_KEY, decode_payload
 from steergate.shared import engine_api
 from steergate.shared.settings import EngineSettings
 from steergate.shared.steering import ModelShape
-
 from tests.gateway import stub_vllm
 
 HIDDEN, LAYERS = 8, 4

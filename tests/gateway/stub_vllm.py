@@ -20,6 +20,7 @@ from typing import Any
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+
 from steergate.shared import engine_api
 
 MODEL = "stub"

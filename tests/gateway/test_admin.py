@@ -7,8 +7,8 @@ from typing import Any
 
 import httpx
 import pytest
-from steergate.gateway import keys
 
+from steergate.gateway import keys
 from tests.gateway.ops_env import ADMIN, Ops, bearer, ops  # noqa: F401 - fixture
 from tests.harness import redis_client
 

@@ -8,9 +8,9 @@ import json
 import re
 
 import pytest
+
 from steergate.cli.main import main
 from steergate.gateway.units import format_bytes, parse_bytes
-
 from tests.gateway.conftest import ADMIN_KEY
 from tests.gateway.ops_env import Ops, ops  # noqa: F401 - fixture
 from tests.harness import free_port

@@ -13,9 +13,9 @@ from typing import Any
 
 import httpx
 import pytest
+
 from steergate.cli.main import main
 from steergate.gateway import apikeys
-
 from tests.gateway.conftest import ADMIN_KEY, PEPPER
 from tests.gateway.ops_env import ADMIN, Ops, bearer, ops  # noqa: F401 - fixture
 from tests.gateway.servers import ServerThread

@@ -10,8 +10,8 @@ import time
 
 import httpx
 import orjson
-from steergate.gateway import keys
 
+from steergate.gateway import keys
 from tests.gateway.conftest import make_tenant
 from tests.gateway.servers import ServerThread
 from tests.harness import redis_client

@@ -14,9 +14,9 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+
 from steergate.cli.main import main
 from steergate.gateway import apikeys, audit, keys
-
 from tests.gateway.conftest import ADMIN_KEY, PEPPER
 from tests.gateway.ops_env import Ops, bearer, ops  # noqa: F401 - fixture
 from tests.harness import aredis_client, redis_client

@@ -11,9 +11,9 @@ from typing import Any
 
 import httpx
 import pytest
+
 from steergate.gateway import keys, usage
 from steergate.gateway.tenants import TenantStore
-
 from tests.gateway.conftest import make_tenant
 from tests.gateway.ops_env import bearer, chat_body
 from tests.gateway.servers import ServerThread

@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+
 from steergate.gateway import keys
 from steergate.gateway.accounting import Outcome, Settler
 from steergate.gateway.limits import Limiter, period_left_ms
@@ -21,7 +22,6 @@ from steergate.gateway.scripts import Scripts
 from steergate.gateway.store import connect
 from steergate.gateway.tenants import TenantStore
 from steergate.shared.errors import APIError
-
 from tests.gateway.conftest import make_tenant
 from tests.harness import redis_client
 
@@ -224,3 +224,29 @@ def test_rollups_through_the_gateway_split_tokens_count_refusals_by_cause_and_ke
     assert r.ttl(day_key) > 399 * 86400
     month = r.hgetall(keys.usage_month("bill", keys.utc_month(time.time())))
     assert int(month["tokens"]) == prompt + completion
+
+
+async def test_a_cancelled_admission_gives_the_keys_slot_back(redis_url: str) -> None:
+    """An admission whose answer never came (the client got 503) is cancelled: its
+    tenant lease and its key's lease are both released once Redis answers."""
+    client = connect(redis_url, 2.0)
+    try:
+        store = TenantStore(client, "pepper")
+        settler = Settler(client, Scripts.load(client))
+        limiter = Limiter(Scripts.load(client), lease_ttl_s=60, settler=settler)
+        tenant = await store.create("acme", limits={"rpm": 10_000, "max_concurrency": 1000})
+        key = api_key("k1", conc=1)
+        adm = await limiter.admit(
+            tenant, tokens=1, conversation_id=None, latch=False, latch_bytes=0,
+            latch_kind="ref", api_key=key,
+        )  # fmt: skip
+        assert await _admit(limiter, tenant, key) != 200  # the key's one slot is held
+        stop = asyncio.Event()
+        runner = asyncio.create_task(settler.run(stop))
+        settler.cancel(adm)
+        await settler.drain()
+        stop.set()
+        await runner
+        assert await _admit(limiter, tenant, key) == 200
+    finally:
+        await client.aclose()

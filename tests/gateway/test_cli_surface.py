@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from steergate.cli.main import COMMANDS, main
 
+from steergate.cli.main import COMMANDS, main
 from tests.gateway.conftest import ADMIN_KEY
 from tests.gateway.ops_env import Ops, ops  # noqa: F401 - fixture
 

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from steergate.cli import up
 
+from steergate.cli import up
 from tests.gateway.conftest import ADMIN_KEY, ENGINE_TOKEN, FakeEngine
 from tests.gateway.servers import ServerThread
 

@@ -16,9 +16,9 @@ from typing import Any
 
 import httpx
 import pytest
+
 from steergate.gateway import keys
 from steergate.shared.scoping import scope
-
 from tests.gateway.conftest import ADMIN_KEY, FakeEngine, make_tenant, start_stub_engine
 from tests.gateway.servers import ServerThread
 from tests.harness import redis_client

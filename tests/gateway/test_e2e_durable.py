@@ -17,9 +17,9 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+
 from steergate.gateway.app import create_app
 from steergate.shared.scoping import scope
-
 from tests.gateway.conftest import ADMIN_KEY, gateway_settings, make_tenant
 from tests.gateway.servers import ServerThread
 from tests.harness import EngineProcess

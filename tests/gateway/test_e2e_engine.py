@@ -9,8 +9,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from steergate.gateway.app import create_app
 
+from steergate.gateway.app import create_app
 from tests.gateway.conftest import gateway_settings, make_tenant
 from tests.gateway.servers import ServerThread
 from tests.harness import EngineProcess

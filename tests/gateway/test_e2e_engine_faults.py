@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from steergate.gateway.app import create_app
 
+from steergate.gateway.app import create_app
 from tests.gateway.conftest import gateway_settings, make_tenant
 from tests.gateway.servers import ServerThread
 from tests.harness import EngineProcess, redis_client

@@ -22,6 +22,7 @@ import httpx
 import pytest
 import redis
 import uvicorn
+
 from steergate.gateway.app import create_app
 from steergate.gateway.limits import Limiter
 from steergate.gateway.scripts import Scripts
@@ -29,7 +30,6 @@ from steergate.gateway.server import connection_options
 from steergate.gateway.store import connect
 from steergate.gateway.tenants import TenantStore
 from steergate.shared.errors import APIError
-
 from tests.gateway.conftest import ADMIN_KEY, ENGINE_TOKEN, PEPPER, gateway_settings, make_tenant
 from tests.gateway.servers import ServerThread
 from tests.gateway.stub_engine import StubEngine
@@ -527,7 +527,7 @@ def test_a_cancelled_admission_that_runs_late_takes_no_lease_and_a_resend_is_fre
         assert r.hget("sg:{t:acme}:usage:total", "2xx") == "1"
         assert live_leases(r, "acme") == 0
         # The cancellation of "lease-b" reaches Redis before the admission itself.
-        lost = limits_mod.Admission(tenant, "lease-b", 0, 10, None, False, "", [])
+        lost = limits_mod.Admission(tenant, "lease-b", 10, None, False, "", [])
         lost.lease_expiry_ms = int(time.time() * 1000) + 30_000
         settler.cancel(lost)
         await _drain(settler)
@@ -601,14 +601,14 @@ def test_settlements_are_retried_until_redis_takes_them(fresh: RedisProcess) -> 
 def test_back_pressure_sheds_the_tenant_with_the_most_queued_settlements_first() -> None:
     from steergate.gateway.accounting import Outcome, Settler
     from steergate.gateway.limits import Admission
-    from steergate.gateway.tenants import Tenant
+    from steergate.gateway.records import Tenant
 
     settler = Settler(None, None, max_pending=10)  # type: ignore[arg-type]
     churner, calm = Tenant(id="churn"), Tenant(id="calm")
 
     def outcome(tenant: Tenant, n: int) -> Outcome:
         return Outcome(
-            Admission(tenant, f"{tenant.id}-{n}", 0, 1, None, False, "", []), 200, 1, None
+            Admission(tenant, f"{tenant.id}-{n}", 1, None, False, "", []), 200, 1, None
         )
 
     async def go() -> None:

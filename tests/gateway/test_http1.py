@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import uvloop
+
 from steergate.gateway import http1
 from steergate.gateway.http1 import (
     HIGH_WATER,

@@ -17,10 +17,10 @@ from typing import Any
 import httpx
 import pytest
 from starlette.requests import Request
+
 from steergate.cli.main import main
 from steergate.gateway import apikeys, auth
 from steergate.gateway.tenants import TenantStore
-
 from tests.gateway.conftest import ADMIN_KEY, PEPPER
 from tests.gateway.ops_env import ADMIN, Ops, bearer, chat_body, ops  # noqa: F401 - fixture
 from tests.gateway.servers import ServerThread

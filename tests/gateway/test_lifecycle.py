@@ -7,8 +7,8 @@ import time
 from typing import Any
 
 import httpx
-from steergate.gateway.app import create_app
 
+from steergate.gateway.app import create_app
 from tests.gateway.conftest import FakeEngine, gateway_settings, make_tenant
 from tests.gateway.servers import ServerThread
 from tests.gateway.test_request_path import CHAT, chat_body, inline, post

@@ -11,8 +11,8 @@ import time
 import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
-from steergate.gateway.app import create_app
 
+from steergate.gateway.app import create_app
 from tests.gateway.conftest import gateway_settings
 from tests.gateway.ops_env import ADMIN, Ops, bearer, ops  # noqa: F401 - fixture
 from tests.harness import ROOT, RedisProcess, free_port

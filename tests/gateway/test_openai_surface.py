@@ -20,8 +20,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from steergate.shared import errors
 
+from steergate.shared import errors
 from tests.gateway.conftest import ADMIN_KEY, ENGINE_TOKEN, FakeEngine, make_tenant
 from tests.gateway.servers import ServerThread
 from tests.gateway.stub_engine import HIDDEN

@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 import httpx
 import pytest
-from steergate.gateway import openapi
 
+from steergate.gateway import openapi
 from tests.gateway.conftest import ADMIN_KEY, FakeEngine, make_tenant
 from tests.gateway.servers import ServerThread
 from tests.harness import ROOT

@@ -10,8 +10,8 @@ from typing import Any
 
 import orjson
 from starlette.responses import PlainTextResponse
-from steergate.gateway.middleware import BodyLimitMiddleware
 
+from steergate.gateway.middleware import BodyLimitMiddleware
 from tests.gateway.conftest import make_tenant
 from tests.gateway.servers import ServerThread
 

@@ -74,7 +74,6 @@ def test_revoked_key_is_refused_by_a_replica_that_cached_it_within_1s(
     import asyncio
 
     from steergate.gateway.tenants import TenantStore
-
     from tests.gateway.conftest import PEPPER
 
     b = start_gateway()
@@ -311,6 +310,7 @@ def test_gguf_upload_is_decoded_and_forwarded_as_packed_float32(
     gateway: ServerThread, fake_engine: FakeEngine, redis_url: str
 ) -> None:
     import numpy as np
+
     from steergate.shared.codecs import encode_gguf_control_vector
 
     key = make_tenant(redis_url, "acme")
@@ -473,6 +473,7 @@ def test_oversize_body_is_413(start_gateway: Any, redis_url: str) -> None:
 
 def test_nan_in_packed_vector_is_400(gateway: ServerThread, redis_url: str) -> None:
     import numpy as np
+
     from steergate.shared.codecs import encode_packed
 
     key = make_tenant(redis_url, "acme")

@@ -12,9 +12,9 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
+
 from steergate.gateway import apikeys, keys
 from steergate.gateway.tenants import TenantStore
-
 from tests.gateway.conftest import ADMIN_KEY, PEPPER
 from tests.gateway.servers import ServerThread
 

@@ -9,10 +9,10 @@ from typing import Any
 
 import httpx
 import orjson
+
 from steergate.gateway import keys
 from steergate.gateway.routes.inference import _relay_event
 from steergate.gateway.stream_meter import StreamMeter, prompt_estimate
-
 from tests.gateway.conftest import make_tenant
 from tests.gateway.servers import ServerThread
 from tests.harness import redis_client

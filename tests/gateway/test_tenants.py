@@ -6,10 +6,11 @@ import asyncio
 import time
 
 import pytest
-from steergate.gateway import apikeys, keys
-from steergate.gateway.tenants import Limits, TenantStore
-from steergate.shared.errors import APIError
 
+from steergate.gateway import apikeys, keys
+from steergate.gateway.records import Limits
+from steergate.gateway.tenants import TenantStore
+from steergate.shared.errors import APIError
 from tests.harness import aredis_client
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -144,7 +145,7 @@ async def test_revocation_reaches_another_replicas_cache_within_1s(redis_url: st
     a = TenantStore(aredis_client(redis_url), PEPPER)
     b = TenantStore(aredis_client(redis_url), PEPPER)
     stop = asyncio.Event()
-    listener = asyncio.create_task(b.listen_for_invalidations(stop))
+    listener = asyncio.create_task(b.events.listen(stop))
     await a.create("acme")
     key_id, key, _ = await a.create_key("acme")
     await asyncio.sleep(0.3)  # subscription established (it clears the cache once)

@@ -12,9 +12,9 @@ from typing import Any
 
 import httpx
 import pytest
+
 from steergate.gateway import tracing
 from steergate.shared import engine_api
-
 from tests.gateway.conftest import ENGINE_TOKEN, make_tenant
 from tests.gateway.ops_env import bearer, chat_body
 from tests.gateway.servers import ServerThread
@@ -247,7 +247,6 @@ def test_the_otel_environment_turns_tracing_on(
 
     pytest.importorskip("opentelemetry.exporter.otlp.proto.http.trace_exporter")
     from steergate.gateway.app import create_app
-
     from tests.gateway.conftest import gateway_settings
 
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://127.0.0.1:9/v1/traces")

@@ -5,8 +5,8 @@ that move with traffic, 429s by cause, latches and vectors against quota."""
 from __future__ import annotations
 
 import httpx
-from steergate.gateway.metrics import QUOTA_NAMES
 
+from steergate.gateway.metrics import QUOTA_NAMES
 from tests.gateway.ops_env import ADMIN, Ops, bearer, ops  # noqa: F401 - fixture
 
 INLINE_LATCH = {"vectors": [{"hook": "post_block", "layers": {"1": [0.5] * 8}}], "latch": True}

@@ -18,9 +18,9 @@ from typing import Any
 
 import httpx
 import pytest
+
 from steergate.cli.main import main
 from steergate.gateway import keys, usage
-
 from tests.gateway.conftest import ADMIN_KEY
 from tests.gateway.ops_env import ADMIN, Ops, bearer, chat_body, ops  # noqa: F401 - fixture
 from tests.gateway.servers import ServerThread

@@ -6,12 +6,12 @@ from __future__ import annotations
 import time
 
 import pytest
+
 from steergate.gateway import keys, usage
 from steergate.gateway.limits import Limiter
 from steergate.gateway.scripts import Scripts
 from steergate.gateway.tenants import TenantStore
 from steergate.shared.errors import APIError
-
 from tests.harness import aredis_client
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from steergate.shared.codecs import (
     decode_gguf_control_vector,
     encode_gguf_control_vector,

@@ -7,9 +7,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from steergate.shared import errors
-
 from scripts import error_table
+from steergate.shared import errors
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = sorted(p for d in ("gateway", "engine", "shared") for p in (ROOT / d).rglob("*.py"))

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import orjson
 import pytest
+
 from steergate.shared.errors import InvalidField
 from steergate.shared.jsondepth import MAX_JSON_DEPTH, check_json_depth, json_too_deep
 from steergate.shared.steering import (

@@ -7,8 +7,9 @@ import io
 import logging
 
 import pytest
-from steergate.shared import request_id
 from uvicorn.logging import AccessFormatter
+
+from steergate.shared import request_id
 
 
 @pytest.mark.parametrize(

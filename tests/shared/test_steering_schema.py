@@ -6,6 +6,7 @@ import base64
 
 import numpy as np
 import pytest
+
 from steergate.shared.codecs import encode_packed
 from steergate.shared.errors import InvalidField
 from steergate.shared.steering import (

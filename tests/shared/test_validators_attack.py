@@ -12,6 +12,7 @@ from urllib.parse import quote
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+
 from steergate.engine.http.rewrite import _conversation_id as engine_conversation_id
 from steergate.engine.http.routes import _vector_name as engine_vector_name
 from steergate.gateway.apikeys import generate_key, looks_like_key
