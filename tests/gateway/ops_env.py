@@ -96,3 +96,22 @@ def ops(start_gateway: Callable[..., ServerThread]) -> Iterator[Ops]:
         yield ops
     finally:
         engine.server.stop()
+
+
+@pytest.fixture()
+def cli(ops: Ops, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):  # type: ignore[no-untyped-def]
+    """``steergate ...`` through its real entry point against ``ops``' gateway, as the
+    admin: (exit code, stdout, stderr)."""
+    from steergate.cli.main import main
+
+    monkeypatch.setenv("STEERGATE_GATEWAY_URL", ops.url)
+    monkeypatch.setenv("STEERGATE_ADMIN_KEY", ADMIN_KEY)
+    monkeypatch.setenv("COLUMNS", "250")  # rich: keep table rows on one line
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        code = main(list(argv))
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+

@@ -1,5 +1,5 @@
 """``steergate tenant|key|usage`` against a live gateway (uvicorn thread), through the
-real entry point ``shared.cli.main``."""
+real entry point ``steergate.cli.main``."""
 
 # ruff: noqa: F811 - pytest fixtures are imported, then named as parameters
 from __future__ import annotations
@@ -9,25 +9,10 @@ import re
 
 import pytest
 
-from steergate.cli.main import main
 from steergate.gateway.units import format_bytes, parse_bytes
 from tests.gateway.conftest import ADMIN_KEY
-from tests.gateway.ops_env import Ops, ops  # noqa: F401 - fixture
+from tests.gateway.ops_env import Ops, cli, ops  # noqa: F401 - fixtures
 from tests.harness import free_port
-
-
-@pytest.fixture()
-def cli(ops: Ops, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):  # type: ignore[no-untyped-def]
-    monkeypatch.setenv("STEERGATE_GATEWAY_URL", ops.url)
-    monkeypatch.setenv("STEERGATE_ADMIN_KEY", ADMIN_KEY)
-    monkeypatch.setenv("COLUMNS", "250")  # rich: keep table rows on one line
-
-    def run(*argv: str) -> tuple[int, str, str]:
-        code = main(list(argv))
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return run
 
 
 def test_tenant_create_list_show_update_delete_round_trip(cli, ops: Ops) -> None:  # type: ignore[no-untyped-def]

@@ -14,10 +14,9 @@ from typing import Any
 import httpx
 import pytest
 
-from steergate.cli.main import main
 from steergate.gateway import apikeys
 from tests.gateway.conftest import ADMIN_KEY, PEPPER
-from tests.gateway.ops_env import ADMIN, Ops, bearer, ops  # noqa: F401 - fixture
+from tests.gateway.ops_env import ADMIN, Ops, bearer, cli, ops  # noqa: F401 - fixture
 from tests.gateway.servers import ServerThread
 from tests.harness import redis_client
 
@@ -231,18 +230,7 @@ def test_bad_admin_key_input_is_400(ops: Ops, body: dict[str, Any], param: str) 
     assert ops.admin("GET", "/admin/keys").json()["keys"] == []
 
 
-def test_admin_key_cli(
-    ops: Ops, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    monkeypatch.setenv("STEERGATE_GATEWAY_URL", ops.url)
-    monkeypatch.setenv("STEERGATE_ADMIN_KEY", ADMIN_KEY)
-    monkeypatch.setenv("COLUMNS", "250")
-
-    def cli(*argv: str) -> tuple[int, str, str]:
-        code = main(list(argv))
-        out, err = capsys.readouterr()
-        return code, out, err
-
+def test_admin_key_cli(ops: Ops, cli: Any, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     code, out, _ = cli("admin-key", "create", "--role", "viewer", "--name", "grafana", "--key-only")
     assert code == 0 and apikeys.looks_like_admin_key(out.strip())
     viewer = out.strip()

@@ -15,10 +15,9 @@ import httpx
 import orjson
 import pytest
 
-from steergate.cli.main import main
 from steergate.gateway import apikeys, audit, keys
-from tests.gateway.conftest import ADMIN_KEY, PEPPER
-from tests.gateway.ops_env import Ops, bearer, ops  # noqa: F401 - fixture
+from tests.gateway.conftest import PEPPER
+from tests.gateway.ops_env import Ops, bearer, cli, ops  # noqa: F401 - fixture
 from tests.harness import aredis_client, redis_client
 
 
@@ -186,18 +185,7 @@ def test_the_stream_is_capped(ops: Ops, redis_url: str) -> None:
     assert len(entries(ops, limit=1000)) <= 10 + 100
 
 
-def test_steergate_audit_prints_the_log(
-    ops: Ops, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    monkeypatch.setenv("STEERGATE_GATEWAY_URL", ops.url)
-    monkeypatch.setenv("STEERGATE_ADMIN_KEY", ADMIN_KEY)
-    monkeypatch.setenv("COLUMNS", "250")
-
-    def cli(*argv: str) -> tuple[int, str, str]:
-        code = main(list(argv))
-        out, err = capsys.readouterr()
-        return code, out, err
-
+def test_steergate_audit_prints_the_log(ops: Ops, cli: Any) -> None:  # noqa: F811 - fixture
     assert cli("tenant", "create", "acme", "--rpm", "30")[0] == 0
     time.sleep(0.05)
     mark = time.time()

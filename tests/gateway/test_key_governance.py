@@ -18,11 +18,10 @@ import httpx
 import pytest
 from starlette.requests import Request
 
-from steergate.cli.main import main
 from steergate.gateway import apikeys, auth
 from steergate.gateway.tenants import TenantStore
-from tests.gateway.conftest import ADMIN_KEY, PEPPER
-from tests.gateway.ops_env import ADMIN, Ops, bearer, chat_body, ops  # noqa: F401 - fixture
+from tests.gateway.conftest import PEPPER
+from tests.gateway.ops_env import ADMIN, Ops, bearer, chat_body, cli, ops  # noqa: F401 - fixture
 from tests.gateway.servers import ServerThread
 from tests.harness import aredis_client, redis_client
 
@@ -545,18 +544,7 @@ def test_rotating_an_unknown_key_is_404_and_the_default_grace_is_an_hour(ops: Op
 # ------------------------------------------------------------------ CLI
 
 
-def test_key_cli_creates_with_options_lists_and_rotates(
-    ops: Ops, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    monkeypatch.setenv("STEERGATE_GATEWAY_URL", ops.url)
-    monkeypatch.setenv("STEERGATE_ADMIN_KEY", ADMIN_KEY)
-    monkeypatch.setenv("COLUMNS", "250")
-
-    def cli(*argv: str) -> tuple[int, str, str]:
-        code = main(list(argv))
-        out, err = capsys.readouterr()
-        return code, out, err
-
+def test_key_cli_creates_with_options_lists_and_rotates(ops: Ops, cli: Any) -> None:  # noqa: F811 - fixture
     ops.tenant("acme", rpm=100)
     code, out, err = cli(
         "key", "create", "acme", "--name", "bot", "--scope", "vectors", "--scope", "usage",
