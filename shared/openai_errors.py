@@ -91,11 +91,14 @@ class OpenAIErrorMiddleware:
             if not state["started"]:
                 log.exception("unhandled error on %s", scope.get("path", "?"))
                 exc = errors.APIError("internal_error", "Internal error.")
+                # The error is re-raised (for the server's log) and the server then
+                # closes the connection: say so, or a keep-alive client (the gateway's
+                # pool) sends its next request on a connection that is being closed.
                 await _send_shaped(
                     send,
                     {"type": "http.response.start", "status": 500, "headers": []},
                     json.dumps(exc.body()).encode(),
-                    exc.headers,
+                    {**exc.headers, "connection": "close"},
                 )
             raise
 

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.harness import free_port, wait_port
+from tests.harness import free_port, free_ports, wait_port
 
 
 def _redis(*args: str) -> subprocess.Popen:
@@ -92,19 +92,34 @@ class RedisClusterProcess:
                     n.start()
             self.wait_ok()
             return self
-        self.nodes = [ClusterNode(free_port(), self.dir) for _ in range(self.primaries * 2)]
-        for n in self.nodes:
-            n.start()
-        out = _cli(
-            "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
-            "--cluster-replicas", "1", "--cluster-yes",
-            timeout=60,
-        )  # fmt: skip
-        if "[OK] All 16384 slots covered" not in out:
-            self.close()
-            raise RuntimeError(f"redis-cli --cluster create failed: {out[-2000:]}")
-        self.wait_ok()
-        return self
+        for attempt in range(3):
+            # Ports held open together are distinct: free_port() one at a time may hand
+            # out the same port twice, or one another process (a test's Redis) takes.
+            ports = free_ports(self.primaries * 4)
+            self.nodes = [
+                ClusterNode(ports[2 * i], self.dir, bus_port=ports[2 * i + 1])
+                for i in range(self.primaries * 2)
+            ]
+            try:
+                for n in self.nodes:
+                    n.start()
+                out = _cli(
+                    "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
+                    "--cluster-replicas", "1", "--cluster-yes",
+                    timeout=60,
+                )  # fmt: skip
+            except RuntimeError as exc:
+                out = str(exc)
+            if "[OK] All 16384 slots covered" in out:
+                self.wait_ok()
+                return self
+            self.stop()
+            for conf in self.dir.glob("nodes-*.conf"):
+                conf.unlink()
+            if attempt == 2:
+                self.close()
+                raise RuntimeError(f"redis-cli --cluster create failed: {out[-2000:]}")
+        raise AssertionError("unreachable")
 
     def wait_ok(self, timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout
