@@ -8,6 +8,7 @@ used one at a time, never together with tenant keys in one script.
 
 from __future__ import annotations
 
+import functools
 import time
 
 PREFIX = "sg"
@@ -164,11 +165,13 @@ def utc_month(now_s: float) -> int:
     return t.tm_year * 12 + t.tm_mon - 1
 
 
-def admit_keys(tenant_id: str, minute: int, key_id: str = "") -> list[str]:
+@functools.lru_cache(maxsize=4096)
+def admit_keys(tenant_id: str, minute: int, key_id: str = "") -> tuple[str, ...]:
     """KEYS of admit_request.lua and settle_request.lua, in their order (the day and
-    month are those of ``minute``)."""
+    month are those of ``minute``). Cached: every request of a tenant's key in the same
+    minute names the same keys, twice (admission and settlement)."""
     now_s = minute * 60
-    return [
+    return (
         gcra_requests(tenant_id),
         gcra_tokens(tenant_id),
         leases(tenant_id),
@@ -183,7 +186,7 @@ def admit_keys(tenant_id: str, minute: int, key_id: str = "") -> list[str]:
         usage_month(tenant_id, utc_month(now_s)),
         key_gcra(tenant_id, key_id),
         key_leases(tenant_id, key_id),
-    ]
+    )
 
 
 def latch_keys(tenant_id: str) -> list[str]:
