@@ -19,7 +19,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from steergate.gateway.apikeys import same_secret
-from steergate.gateway.records import BOOTSTRAP_ADMIN, AdminKey, Tenant
+from steergate.gateway.records import BOOTSTRAP_ADMIN, AdminKey, ApiKey, Tenant
 from steergate.gateway.tracing import span
 from steergate.shared.errors import APIError
 
@@ -80,6 +80,12 @@ async def get_tenant(request: Request) -> Tenant:
     request.state.api_key = key
     tenants.key_use.touch(tenant.id, key.key_id, now)
     return tenant
+
+
+def caller_key(request: Request) -> ApiKey:
+    """The key ``get_tenant`` resolved for this request (its id, and its own limits for
+    admission)."""
+    return request.state.api_key  # type: ignore[no-any-return]
 
 
 def is_admin(request: Request) -> bool:

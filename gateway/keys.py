@@ -8,6 +8,7 @@ used one at a time, never together with tenant keys in one script.
 
 from __future__ import annotations
 
+import calendar
 import functools
 import time
 
@@ -84,34 +85,26 @@ def latches(tenant_id: str) -> str:
 
 #: Daily and monthly rollups (billing) are kept this long: 400 days and a margin.
 USAGE_DAY_TTL_S = 401 * 86400
-#: Fields of a rollup hash (usage_day / usage_month): the tenant's totals, then the
-#: same per API key as ``k:<key_id>:<field>``.
-ROLLUP_FIELDS = (
-    "requests",  # settled requests (every status)
-    "prompt_tokens",
-    "completion_tokens",
-    "tokens",  # prompt + completion (what a token budget counts)
-    "2xx",
-    "4xx",
-    "5xx",
-    "429:rpm",  # refusals by cause: rpm, tpm, concurrency, latch, budget, key_rpm,
-    "429:tpm",  # key_concurrency (counted at admission)
-    "429:concurrency",
-    "429:latch",
-    "429:budget",
-    "429:key_rpm",
-    "429:key_concurrency",
-)
+#: Counters of a rollup hash (usage_day / usage_month): admitted requests, the tokens and
+#: status classes of settled ones (``tokens`` = prompt + completion: what a token budget
+#: counts).
+ROLLUP_COUNTERS = ("requests", "prompt_tokens", "completion_tokens", "tokens", "2xx", "4xx", "5xx")
+#: Admission refusals, counted as ``429:<cause>``; admit_request.lua's ``CAUSES`` names
+#: them by its status codes.
+REFUSAL_CAUSES = ("rpm", "tpm", "concurrency", "latch", "budget", "key_rpm", "key_concurrency")
+#: A day hash holds the tenant's fields, then the same per API key as ``k:<key_id>:<field>``.
+ROLLUP_KEY_PREFIX = "k:"
 
 
 def usage_day(tenant_id: str, day: int) -> str:
-    """Hash for one UTC day (unix seconds // 86400): ROLLUP_FIELDS, kept 400 days."""
+    """Hash for one UTC day (unix seconds // 86400): the rollup counters and refusals,
+    the tenant's and each key's, kept 400 days."""
     return _t(tenant_id, f"usage:day:{day}")
 
 
 def usage_month(tenant_id: str, month: int) -> str:
-    """Hash for one UTC calendar month (year * 12 + month - 1): ROLLUP_FIELDS, tenant
-    totals only; what a ``"month"`` token budget reads."""
+    """Hash for one UTC calendar month (year * 12 + month - 1): the rollup counters,
+    tenant totals only; what a ``"month"`` token budget reads."""
     return _t(tenant_id, f"usage:month:{month}")
 
 
@@ -163,6 +156,15 @@ def utc_month(now_s: float) -> int:
     """The rollup month of a unix time: year * 12 + month - 1 (UTC)."""
     t = time.gmtime(now_s)
     return t.tm_year * 12 + t.tm_mon - 1
+
+
+def period_end_s(now_s: float, period: str) -> int:
+    """When the UTC day (``"day"``) or calendar month (``"month"``) holding ``now_s``
+    ends, in unix seconds: where a token budget renews."""
+    if period == "day":
+        return (utc_day(now_s) + 1) * 86400
+    year, index = divmod(utc_month(now_s) + 1, 12)  # the next month
+    return calendar.timegm((year, index + 1, 1, 0, 0, 0))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -9,7 +9,6 @@ is full. Settlement later corrects the reservation to the engine's ``usage``.
 
 from __future__ import annotations
 
-import calendar
 import logging
 import math
 import secrets
@@ -26,6 +25,7 @@ from steergate.shared.errors import APIError
 
 if TYPE_CHECKING:
     from steergate.gateway.accounting import Settler
+    from steergate.gateway.records import ApiKey
 
 log = logging.getLogger("steergate.gateway.limits")
 
@@ -70,11 +70,7 @@ _REJECTIONS = {
 
 def period_left_ms(now_ms: int, period: str) -> int:
     """Milliseconds until the UTC day or calendar month after ``now_ms`` starts."""
-    if period == "day":
-        return 86_400_000 - now_ms % 86_400_000
-    t = time.gmtime(now_ms / 1000)
-    year, month = (t.tm_year + 1, 1) if t.tm_mon == 12 else (t.tm_year, t.tm_mon + 1)
-    return int(calendar.timegm((year, month, 1, 0, 0, 0)) * 1000) - now_ms
+    return keys.period_end_s(now_ms / 1000, period) * 1000 - now_ms
 
 
 @dataclass
@@ -207,15 +203,14 @@ class Limiter:
         latch_bytes: int,
         latch_kind: str,
         vector_names: list[str] | None = None,
-        api_key: Any = None,
+        api_key: ApiKey | None = None,
     ) -> Admission:
-        """``api_key``: the caller's key (``request.state.api_key``): its id, and its own
+        """``api_key``: the caller's key (``auth.caller_key``): its id, and its own
         ``limits.rpm`` / ``limits.max_concurrency`` (None: the tenant's only)."""
         lim = tenant.limits
-        key_id = str(getattr(api_key, "key_id", "") or "")
-        key_limits = getattr(api_key, "limits", None)
-        key_rpm = int(getattr(key_limits, "rpm", None) or 0)
-        key_conc = int(getattr(key_limits, "max_concurrency", None) or 0)
+        key_id = api_key.key_id if api_key else ""
+        key_rpm = (api_key.limits.rpm or 0) if api_key else 0
+        key_conc = (api_key.limits.max_concurrency or 0) if api_key else 0
         budget = lim.token_budget
         now_ms = int(time.time() * 1000)
         minute = now_ms // 60000
@@ -265,9 +260,10 @@ class Limiter:
                     )
         except APIError:
             if self.settler is not None:  # it may still run (a hung Redis replays it)
-                lost = Admission(tenant, lease_id, cost, None, False, "", [])
-                lost.lease_expiry_ms = expiry_ms
-                lost.key_id = key_id
+                lost = Admission(
+                    tenant, lease_id, cost, None, False, "", [],
+                    lease_expiry_ms=expiry_ms, key_id=key_id,
+                )  # fmt: skip
                 self.settler.cancel(lost)
             if not self.fail_open:
                 raise
@@ -302,6 +298,20 @@ class Limiter:
             self.settler.leases.hold(adm)
             self.settler.redis_answered()
         return adm
+
+    async def admit_plain(self, tenant: Tenant, api_key: ApiKey | None) -> Admission:
+        """A request that is not inference (a vector upload, the model list, the
+        tokenizer): one request against requests/min and concurrency, no tokens, no
+        latch."""
+        return await self.admit(
+            tenant,
+            tokens=0,
+            conversation_id=None,
+            latch=False,
+            latch_bytes=0,
+            latch_kind="ref",
+            api_key=api_key,
+        )
 
 
 def _rejection(

@@ -6,11 +6,10 @@ is metered."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from steergate.gateway.accounting import Outcome
 from steergate.gateway.deps import Services
-from steergate.gateway.records import Tenant
+from steergate.gateway.records import ApiKey, Tenant
 from steergate.gateway.upstream import UpstreamResponse
 from steergate.shared.errors import APIError
 
@@ -19,19 +18,11 @@ async def metered_call(
     svc: Services,
     tenant: Tenant,
     call: Callable[[], Awaitable[UpstreamResponse]],
-    api_key: Any = None,
+    api_key: ApiKey,
 ) -> tuple[UpstreamResponse, dict[str, str]]:
     """``call()``'s answer and the rate-limit headers to send with it (``api_key``: the
     caller's, whose own limits apply too)."""
-    adm = await svc.limiter.admit(
-        tenant,
-        tokens=0,
-        conversation_id=None,
-        latch=False,
-        latch_bytes=0,
-        latch_kind="ref",
-        api_key=api_key,
-    )
+    adm = await svc.limiter.admit_plain(tenant, api_key)
     status = 0
     try:
         r = await call()

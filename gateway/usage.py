@@ -21,13 +21,12 @@ show is exactly what admission decides on, and it is the same on every replica.
   recorded cause are shown as ``unattributed`` rather than hidden. Vector uploads
   are admitted and settled like inference requests, so their 429s count too.
 * budget and export (billing): the daily and monthly rollup hashes
-  (``usage:day:<day>``, ``usage:month:<month>``, fields ``keys.ROLLUP_FIELDS``) that
-  settlement and admission keep; see the "rollups" section below.
+  (``usage:day:<day>``, ``usage:month:<month>``: ``keys.ROLLUP_COUNTERS`` and
+  ``429:<cause>``) that settlement and admission keep; see the "rollups" section below.
 """
 
 from __future__ import annotations
 
-import calendar
 import csv
 import datetime
 import io
@@ -281,27 +280,23 @@ async def record_rejection(redis: Redis, tenant_id: str, cause: str, now_ms: int
 # ---------------------------------------------------------------------------- rollups
 #
 # Daily and monthly rollups (``keys.usage_day`` / ``keys.usage_month``, fields
-# ``keys.ROLLUP_FIELDS``) are written by settlement (every settled request) and by
-# admission (each 429 as ``429:<cause>``); the same per API key as
+# ``keys.ROLLUP_COUNTERS``) are written by admission (requests, and each 429 as
+# ``429:<cause>``) and by settlement (tokens and status classes); the same per API key as
 # ``k:<key_id>:<field>`` (day hashes only). A month hash holds the tenant's totals and
 # is what a ``"month"`` token budget reads; a day hash, a ``"day"`` one.
 
-DAY_S = 86_400
 _EPOCH = datetime.date(1970, 1, 1)
-
-
-utc_day, utc_month = keys.utc_day, keys.utc_month  # the rollups' calendar (gateway/keys.py)
 
 
 def budget_period(tenant_id: str, period: str, now_ms: int) -> tuple[str, int]:
     """The rollup hash a ``period`` budget reads now, and when that period ends (unix s)."""
     now_s = now_ms / 1000
-    if period == "day":
-        day = utc_day(now_s)
-        return keys.usage_day(tenant_id, day), (day + 1) * DAY_S
-    month = utc_month(now_s)
-    year, index = divmod(month + 1, 12)  # the next month
-    return keys.usage_month(tenant_id, month), calendar.timegm((year, index + 1, 1, 0, 0, 0))
+    rollup = (
+        keys.usage_day(tenant_id, keys.utc_day(now_s))
+        if period == "day"
+        else keys.usage_month(tenant_id, keys.utc_month(now_s))
+    )
+    return rollup, keys.period_end_s(now_s, period)
 
 
 # ---------------------------------------------------------------------------- export
@@ -310,13 +305,12 @@ EXPORT_DEFAULT_DAYS = 30
 EXPORT_MAX_DAYS = 400
 GROUP_BY = ("day", "key")
 FORMATS = ("json", "csv")
-#: 429 causes counted at admission (rollup fields ``429:<cause>``).
-REFUSAL_CAUSES = ("rpm", "tpm", "concurrency", "latch", "budget", "key_rpm", "key_concurrency")
-#: Settled-request counters of a rollup, in export column order.
-COUNTERS = ("requests", "prompt_tokens", "completion_tokens", "tokens", "2xx", "4xx", "5xx")
-#: Every export row's counter columns: the counters, all 429s, then 429s by cause.
-EXPORT_COUNTERS = (*COUNTERS, "429", *(f"429_{cause}" for cause in REFUSAL_CAUSES))
-KEY_FIELD_PREFIX = "k:"
+#: Every export row's counter columns: the rollup counters, all 429s, then 429s by cause.
+EXPORT_COUNTERS = (
+    *keys.ROLLUP_COUNTERS,
+    "429",
+    *(f"429_{cause}" for cause in keys.REFUSAL_CAUSES),
+)
 _DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
 
 
@@ -340,7 +334,7 @@ def date_of(day: int) -> str:
 def export_range(start: str | None, end: str | None, now_s: float) -> tuple[int, int]:
     """``(first_day, last_day)``, both inclusive, of an export request. Defaults: ``end``
     today (UTC), ``start`` 29 days before ``end`` (30 days). At most 400 days."""
-    last = day_of(end, "end") if end is not None else utc_day(now_s)
+    last = day_of(end, "end") if end is not None else keys.utc_day(now_s)
     first = day_of(start, "start") if start is not None else last - EXPORT_DEFAULT_DAYS + 1
     if last < first:
         raise InvalidField("end", "'end' is before 'start'")
@@ -377,8 +371,8 @@ def _split_rollup(row: dict[str, Any]) -> tuple[dict[str, int], dict[str, dict[s
     tenant: dict[str, int] = {}
     per_key: dict[str, dict[str, int]] = {}
     for field, value in row.items():
-        if field.startswith(KEY_FIELD_PREFIX):
-            key_id, sep, rest = field[len(KEY_FIELD_PREFIX) :].partition(":")
+        if field.startswith(keys.ROLLUP_KEY_PREFIX):
+            key_id, sep, rest = field[len(keys.ROLLUP_KEY_PREFIX) :].partition(":")
             if key_id and sep and rest:
                 per_key.setdefault(key_id, {})[rest] = _int(value)
         else:
@@ -387,10 +381,10 @@ def _split_rollup(row: dict[str, Any]) -> tuple[dict[str, int], dict[str, dict[s
 
 
 def _counter_row(fields: dict[str, int]) -> dict[str, int]:
-    row = {name: fields.get(name, 0) for name in COUNTERS}
+    row = {name: fields.get(name, 0) for name in keys.ROLLUP_COUNTERS}
     # Every 429:<cause> counts in "429", causes this version does not name included.
     row["429"] = sum(v for f, v in fields.items() if f.startswith(CAUSE_PREFIX))
-    for cause in REFUSAL_CAUSES:
+    for cause in keys.REFUSAL_CAUSES:
         row[f"429_{cause}"] = fields.get(CAUSE_PREFIX + cause, 0)
     return row
 

@@ -32,7 +32,7 @@ local now = tonumber(ARGV[1])
 local score = redis.call("ZSCORE", KEYS[3], ARGV[2])
 local held = score and tonumber(score) > 0
 if held then redis.call("ZREM", KEYS[3], ARGV[2]) end
-if KEYS[14] then redis.call("ZREM", KEYS[14], ARGV[2]) end
+redis.call("ZREM", KEYS[14], ARGV[2])
 local cancel = tonumber(ARGV[11] or "0")
 if cancel > 0 and not held and cancel > now then
   redis.call("ZADD", KEYS[3], -cancel, ARGV[2])
@@ -64,22 +64,20 @@ if held then
     redis.call("HINCRBY", KEYS[5], "tokens", used)
   end
   redis.call("EXPIRE", KEYS[4], tonumber(ARGV[10]))
-  if KEYS[11] then
-    local prompt, completion = tonumber(ARGV[12] or "0"), tonumber(ARGV[13] or "0")
-    local kp = (ARGV[14] or "") ~= "" and ("k:" .. ARGV[14] .. ":") or nil
-    local function add(field, n)
-      if n <= 0 then return end
-      redis.call("HINCRBY", KEYS[11], field, n)
-      if kp then redis.call("HINCRBY", KEYS[11], kp .. field, n) end
-      redis.call("HINCRBY", KEYS[12], field, n)
-    end
-    add("prompt_tokens", prompt)
-    add("completion_tokens", completion)
-    add("tokens", prompt + completion)
-    if ARGV[5] ~= "" then add(ARGV[5], 1) end
-    redis.call("EXPIRE", KEYS[11], tonumber(ARGV[15]))
-    redis.call("EXPIRE", KEYS[12], tonumber(ARGV[15]))
+  local prompt, completion = tonumber(ARGV[12]), tonumber(ARGV[13])
+  local kp = ARGV[14] ~= "" and ("k:" .. ARGV[14] .. ":") or nil
+  local function add(field, n)
+    if n <= 0 then return end
+    redis.call("HINCRBY", KEYS[11], field, n)
+    if kp then redis.call("HINCRBY", KEYS[11], kp .. field, n) end
+    redis.call("HINCRBY", KEYS[12], field, n)
   end
+  add("prompt_tokens", prompt)
+  add("completion_tokens", completion)
+  add("tokens", prompt + completion)
+  if ARGV[5] ~= "" then add(ARGV[5], 1) end
+  redis.call("EXPIRE", KEYS[11], tonumber(ARGV[15]))
+  redis.call("EXPIRE", KEYS[12], tonumber(ARGV[15]))
 end
 
 local conv, action = ARGV[7], ARGV[8]

@@ -24,7 +24,7 @@ from fastapi.routing import APIRoute
 from starlette.routing import request_response
 
 from steergate.gateway.accounting import Outcome
-from steergate.gateway.auth import get_tenant
+from steergate.gateway.auth import caller_key, get_tenant
 from steergate.gateway.deps import Services, get_services
 from steergate.gateway.limits import Admission
 from steergate.gateway.proxy import Turn
@@ -133,7 +133,7 @@ async def proxy_inference(request: Request, path: str) -> Response:
         latch_bytes=head.latch_bytes(shape),
         latch_kind=head.latch_kind,
         vector_names=list(head.names),
-        api_key=getattr(request.state, "api_key", None),
+        api_key=caller_key(request),
     )
     try:
         _check_names(head, adm)

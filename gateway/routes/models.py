@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 from fastapi import APIRouter, Request, Response
 
-from steergate.gateway.auth import TenantDep
+from steergate.gateway.auth import TenantDep, caller_key
 from steergate.gateway.deps import Services, ServicesDep
 from steergate.gateway.metered import metered_call
 from steergate.gateway.scoping import scrub
@@ -26,9 +26,7 @@ router = APIRouter(tags=["models"])
 
 @router.get("/v1/models")
 async def list_models(request: Request, tenant: TenantDep, svc: ServicesDep) -> Response:
-    r, headers = await metered_call(
-        svc, tenant, svc.engines.models, getattr(request.state, "api_key", None)
-    )
+    r, headers = await metered_call(svc, tenant, svc.engines.models, caller_key(request))
     if r.status != 200:
         return _relay(r.status, scrub(r.body, tenant.id, error=True), headers)
     doc = _with_steering(r.json(), svc)
@@ -39,9 +37,7 @@ async def list_models(request: Request, tenant: TenantDep, svc: ServicesDep) -> 
 async def retrieve_model(
     model: str, request: Request, tenant: TenantDep, svc: ServicesDep
 ) -> Response:
-    r, headers = await metered_call(
-        svc, tenant, svc.engines.models, getattr(request.state, "api_key", None)
-    )
+    r, headers = await metered_call(svc, tenant, svc.engines.models, caller_key(request))
     if r.status != 200:
         return _relay(r.status, scrub(r.body, tenant.id, error=True), headers)
     for entry in _with_steering(r.json(), svc).get("data", []):

@@ -9,12 +9,10 @@ Bodies are vLLM's: ``{"model"?, "prompt"}`` or ``{"model"?, "messages", ...}`` -
 
 from __future__ import annotations
 
-from typing import Any
-
 import orjson
 from fastapi import APIRouter, Request, Response
 
-from steergate.gateway.auth import TenantDep
+from steergate.gateway.auth import TenantDep, caller_key
 from steergate.gateway.deps import ServicesDep
 from steergate.gateway.metered import metered_call
 from steergate.gateway.routes.inference import read_json_object
@@ -27,7 +25,7 @@ router = APIRouter(tags=["tokenizer"])
 async def tokenize(request: Request, tenant: TenantDep, svc: ServicesDep) -> Response:
     content = orjson.dumps(await read_json_object(request))
     r, headers = await metered_call(
-        svc, tenant, lambda: svc.engines.tokenize(content), _key(request)
+        svc, tenant, lambda: svc.engines.tokenize(content), caller_key(request)
     )
     return _relay(r.status, r.body, tenant.id, headers)
 
@@ -36,13 +34,9 @@ async def tokenize(request: Request, tenant: TenantDep, svc: ServicesDep) -> Res
 async def detokenize(request: Request, tenant: TenantDep, svc: ServicesDep) -> Response:
     content = orjson.dumps(await read_json_object(request))
     r, headers = await metered_call(
-        svc, tenant, lambda: svc.engines.detokenize(content), _key(request)
+        svc, tenant, lambda: svc.engines.detokenize(content), caller_key(request)
     )
     return _relay(r.status, r.body, tenant.id, headers)
-
-
-def _key(request: Request) -> Any:
-    return getattr(request.state, "api_key", None)
 
 
 def _relay(status: int, body: bytes, tenant_id: str, headers: dict[str, str]) -> Response:

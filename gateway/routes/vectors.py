@@ -21,7 +21,7 @@ from fastapi import APIRouter, Request, Response
 
 from steergate.gateway import keys
 from steergate.gateway.accounting import Outcome
-from steergate.gateway.auth import TenantDep
+from steergate.gateway.auth import TenantDep, caller_key
 from steergate.gateway.deps import Services, ServicesDep
 from steergate.gateway.routes.inference import read_json_object
 from steergate.gateway.store import store_errors
@@ -47,15 +47,7 @@ def _not_found(name: str) -> APIError:
 @router.put("/v1/steering/vectors/{name}")
 async def put_vector(name: str, request: Request, tenant: TenantDep, svc: ServicesDep) -> Response:
     check_vector_name(name)
-    adm = await svc.limiter.admit(
-        tenant,
-        tokens=0,
-        conversation_id=None,
-        latch=False,
-        latch_bytes=0,
-        latch_kind="ref",
-        api_key=getattr(request.state, "api_key", None),
-    )
+    adm = await svc.limiter.admit_plain(tenant, caller_key(request))
     status = 0
     try:
         response = await _put_vector(name, request, tenant.id, tenant.limits, svc)

@@ -26,7 +26,7 @@ def ms(y: int, mo: int, d: int, h: int = 0, mi: int = 0, s: int = 0) -> int:
 
 def test_budget_period_keys_and_reset_times() -> None:
     now = ms(2026, 12, 3, 6, 57, 15)
-    day = usage.utc_day(now / 1000)
+    day = keys.utc_day(now / 1000)
     assert usage.budget_period("acme", "day", now) == (
         keys.usage_day("acme", day),
         ms(2026, 12, 4) // 1000,
@@ -64,7 +64,7 @@ async def test_read_usage_reads_the_day_or_month_rollup(redis_url: str) -> None:
         await client.hset(day_key, mapping={"tokens": 321, "requests": 4, "k:key_x:tokens": 999})
         await client.hset(month_key, mapping={"tokens": 640})
         # Another period's hash (yesterday, last month) is not this period's use.
-        await client.hset(keys.usage_day("daily", usage.utc_day(now / 1000) - 1), "tokens", 50)
+        await client.hset(keys.usage_day("daily", keys.utc_day(now / 1000) - 1), "tokens", 50)
 
         row = await usage.read_usage(client, daily, now)
         assert row.budget == usage.BudgetUse(

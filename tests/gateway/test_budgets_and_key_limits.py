@@ -38,15 +38,7 @@ async def _replicas(redis_url: str, n: int = 2) -> tuple[list[Any], list[Limiter
 
 async def _admit(limiter: Limiter, tenant: Any, key: Any) -> int:
     try:
-        await limiter.admit(
-            tenant,
-            tokens=1,
-            conversation_id=None,
-            latch=False,
-            latch_bytes=0,
-            latch_kind="ref",
-            api_key=key,
-        )
+        await limiter.admit_plain(tenant, key)
         return 200
     except APIError as exc:
         return exc.status * 1000 + (1 if exc.code == "rate_limit_exceeded" else 2)
@@ -59,9 +51,7 @@ async def test_per_key_rpm_is_exact_across_two_replicas_and_leaves_the_tenant_al
     try:
         tenant = await store.create("acme", limits={"rpm": 1000, "max_concurrency": 1000})
         limited = api_key("k-limited", rpm=7)
-        results = await asyncio.gather(
-            *(_admit((a, b)[i % 2], tenant, limited) for i in range(40))
-        )
+        results = await asyncio.gather(*(_admit((a, b)[i % 2], tenant, limited) for i in range(40)))
         assert results.count(200) == 7 and results.count(429001) == 33, results
         # another key of the same tenant is not held back by that key's limit
         other = await asyncio.gather(*(_admit(a, tenant, api_key("k-other")) for _ in range(10)))
@@ -81,17 +71,7 @@ async def test_per_key_concurrency_is_exact_and_released_by_settlement(redis_url
 
         async def one(limiter: Limiter) -> None:
             try:
-                admitted.append(
-                    await limiter.admit(
-                        tenant,
-                        tokens=1,
-                        conversation_id=None,
-                        latch=False,
-                        latch_bytes=0,
-                        latch_kind="ref",
-                        api_key=key,
-                    )
-                )
+                admitted.append(await limiter.admit_plain(tenant, key))
             except APIError as exc:
                 assert exc.code == "concurrency_limit_exceeded"
                 assert "API key" in exc.message
@@ -137,17 +117,11 @@ async def test_token_budget_refuses_until_the_period_rolls_over(redis_url: str) 
         )
         spent = 0
         while spent < 100:
-            adm = await limiter.admit(
-                tenant, tokens=1, conversation_id=None, latch=False, latch_bytes=0,
-                latch_kind="ref", api_key=api_key("k1"),
-            )  # fmt: skip
+            adm = await limiter.admit_plain(tenant, api_key("k1"))
             await settler._settle([Outcome(adm, 200, 30, None, prompt_tokens=10)])
             spent += 30
         with pytest.raises(APIError) as refused:
-            await limiter.admit(
-                tenant, tokens=1, conversation_id=None, latch=False, latch_bytes=0,
-                latch_kind="ref", api_key=api_key("k1"),
-            )  # fmt: skip
+            await limiter.admit_plain(tenant, api_key("k1"))
         err = refused.value
         assert err.status == 429 and err.code == "budget_exceeded"
         assert err.headers["x-should-retry"] == "false"
@@ -202,9 +176,7 @@ def test_rollups_through_the_gateway_split_tokens_count_refusals_by_cause_and_ke
             import orjson
 
             docs = [
-                orjson.loads(line[6:])
-                for line in r.text.splitlines()
-                if line.startswith("data: {")
+                orjson.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")
             ]
             usage = docs[-1]["usage"]
         else:
@@ -236,10 +208,7 @@ async def test_a_cancelled_admission_gives_the_keys_slot_back(redis_url: str) ->
         limiter = Limiter(Scripts.load(client), lease_ttl_s=60, settler=settler)
         tenant = await store.create("acme", limits={"rpm": 10_000, "max_concurrency": 1000})
         key = api_key("k1", conc=1)
-        adm = await limiter.admit(
-            tenant, tokens=1, conversation_id=None, latch=False, latch_bytes=0,
-            latch_kind="ref", api_key=key,
-        )  # fmt: skip
+        adm = await limiter.admit_plain(tenant, key)
         assert await _admit(limiter, tenant, key) != 200  # the key's one slot is held
         stop = asyncio.Event()
         runner = asyncio.create_task(settler.run(stop))

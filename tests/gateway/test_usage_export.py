@@ -26,7 +26,7 @@ from tests.gateway.ops_env import ADMIN, Ops, bearer, chat_body, ops  # noqa: F4
 from tests.gateway.servers import ServerThread
 from tests.harness import redis_client
 
-TODAY = usage.utc_day(time.time())
+TODAY = keys.utc_day(time.time())
 
 
 def date(day: int) -> str:
