@@ -132,3 +132,33 @@ def parse_completion(doc: Mapping[str, Any]) -> Generation:
 
 def max_abs_diff(a: Sequence[float], b: Sequence[float]) -> float:
     return float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) if len(a) else 0.0
+
+
+#: A float32 engine against the float32 ``transformers`` reference: greedy tokens equal,
+#: every logprob within this.
+TOL = 1e-3
+
+
+def engine_completion(
+    engine: Any,
+    prompt: Sequence[int],
+    max_tokens: int,
+    steering: dict[str, Any] | None = None,
+    **extra: Any,
+) -> tuple[Generation, Any]:
+    """A greedy completion from ``engine`` (``tests.harness.EngineProcess``) with
+    logprobs: (what it generated, the HTTP response, for its headers)."""
+    import httpx
+
+    body = completion_body(str(engine.model), prompt, max_tokens, **extra)
+    if steering is not None:
+        body["steering"] = steering
+    r = httpx.post(f"{engine.url}/v1/completions", json=body, headers=engine.headers, timeout=300)
+    assert r.status_code == 200, r.text
+    return parse_completion(r.json()), r
+
+
+def assert_matches(got: Generation, want: Generation, tol: float = TOL) -> None:
+    assert got.tokens == want.tokens
+    assert max_abs_diff(got.logprobs, want.logprobs) <= tol
+

@@ -54,15 +54,13 @@ from vllm.v1.executor.ray_executor_v2 import RayExecutorV2  # noqa: E402
 
 from tests.engine.hf_reference import (  # noqa: E402
     Generation,
-    completion_body,
-    max_abs_diff,
-    parse_completion,
+    assert_matches,
+    engine_completion,
     reference,
     steering_field,
 )
 from tests.harness import ROOT, EngineProcess  # noqa: E402
 
-TOL = 1e-3
 HIDDEN = 128
 MAX_TOKENS = 10
 PROMPT = [int(x) for x in np.random.default_rng(7).integers(10, 600, 14)]
@@ -266,17 +264,7 @@ def _shm_of_ray_processes(engine: EngineProcess) -> set[Path]:
 def _complete(
     engine: EngineProcess, steering: dict | None = None, **extra: object
 ) -> tuple[Generation, httpx.Response]:
-    body = completion_body(str(engine.model), PROMPT, MAX_TOKENS, **extra)
-    if steering is not None:
-        body["steering"] = steering
-    r = httpx.post(f"{engine.url}/v1/completions", json=body, headers=engine.headers, timeout=300)
-    assert r.status_code == 200, r.text
-    return parse_completion(r.json()), r
-
-
-def _assert_matches(got: Generation, want: Generation) -> None:
-    assert got.tokens == want.tokens
-    assert max_abs_diff(got.logprobs, want.logprobs) <= TOL
+    return engine_completion(engine, PROMPT, MAX_TOKENS, steering, **extra)
 
 
 def test_engine_runs_two_ranks_as_ray_actors_with_the_plugin(ray_engine: EngineProcess) -> None:
@@ -299,11 +287,11 @@ def test_steered_request_under_ray_matches_reference(
     ray_engine: EngineProcess, tiny_model: Path
 ) -> None:
     unsteered, _ = _complete(ray_engine)
-    _assert_matches(unsteered, reference(tiny_model, PROMPT, None, max_tokens=MAX_TOKENS))
+    assert_matches(unsteered, reference(tiny_model, PROMPT, None, max_tokens=MAX_TOKENS))
 
     steered, r = _complete(ray_engine, steering_field(SITES))
     assert r.json()["steering"] == {"applied": True, "latch": "none"}
-    _assert_matches(steered, reference(tiny_model, PROMPT, SITES, max_tokens=MAX_TOKENS))
+    assert_matches(steered, reference(tiny_model, PROMPT, SITES, max_tokens=MAX_TOKENS))
     assert steered.tokens != unsteered.tokens
 
 
@@ -318,7 +306,7 @@ def test_latch_bridges_under_ray(ray_engine: EngineProcess, tiny_model: Path) ->
     assert r.json()["steering"] == {"applied": True, "latch": "bridged"}
     assert latched == explicit
     assert bridged == explicit  # identical tokens and logprobs
-    _assert_matches(bridged, reference(tiny_model, PROMPT, SITES, "decode", MAX_TOKENS))
+    assert_matches(bridged, reference(tiny_model, PROMPT, SITES, "decode", MAX_TOKENS))
     unsteered, _ = _complete(ray_engine)
     assert bridged.tokens != unsteered.tokens
     r = httpx.delete(

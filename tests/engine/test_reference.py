@@ -15,7 +15,9 @@ import pytest
 
 from tests.engine.hf_reference import (
     Generation,
+    assert_matches,
     completion_body,
+    engine_completion,
     max_abs_diff,
     parse_completion,
     reference,
@@ -25,7 +27,6 @@ from tests.harness import EngineProcess
 
 pytestmark = pytest.mark.engine
 
-TOL = 1e-3
 HIDDEN = 128
 PROMPT = [int(x) for x in np.random.default_rng(7).integers(10, 600, 14)]
 
@@ -37,23 +38,14 @@ def _vec(seed: int, norm: float = 6.0) -> np.ndarray:
 
 def _complete(engine: EngineProcess, sites=None, phase: str = "all", max_tokens: int = 10,
               prompt: list[int] = PROMPT) -> Generation:
-    body = completion_body(str(engine.model), prompt, max_tokens)
-    if sites:
-        body["steering"] = steering_field(sites, phase)
-    r = httpx.post(f"{engine.url}/v1/completions", json=body, headers=engine.headers, timeout=300)
-    assert r.status_code == 200, r.text
-    return parse_completion(r.json())
-
-
-def _assert_matches(got: Generation, want: Generation) -> None:
-    assert got.tokens == want.tokens
-    assert max_abs_diff(got.logprobs, want.logprobs) <= TOL
+    steering = steering_field(sites, phase) if sites else None
+    return engine_completion(engine, prompt, max_tokens, steering)[0]
 
 
 @pytest.fixture(scope="module")
 def unsteered(f32_engine: EngineProcess, tiny_model: Path) -> Generation:
     got = _complete(f32_engine)
-    _assert_matches(got, reference(tiny_model, PROMPT, None, max_tokens=10))
+    assert_matches(got, reference(tiny_model, PROMPT, None, max_tokens=10))
     return got
 
 
@@ -71,7 +63,7 @@ def test_steered_request_matches_reference(
     sites = {(hook, 1): _vec(11), (hook, 3): _vec(12, norm=3.0)}
     got = _complete(f32_engine, sites, phase)
     want = reference(tiny_model, PROMPT, sites, phase, max_tokens=10)
-    _assert_matches(got, want)
+    assert_matches(got, want)
     assert got.tokens != unsteered.tokens  # the steering is strong enough to show
     if phase == "decode":  # the first token comes from the (unsteered) prompt
         assert got.tokens[0] == unsteered.tokens[0]
@@ -82,7 +74,7 @@ def test_layer0_pre_attn_steers_the_embeddings(
 ) -> None:
     sites = {("pre_attn", 0): _vec(21)}
     got = _complete(f32_engine, sites)
-    _assert_matches(got, reference(tiny_model, PROMPT, sites, max_tokens=10))
+    assert_matches(got, reference(tiny_model, PROMPT, sites, max_tokens=10))
     assert got.tokens != unsteered.tokens
 
 
@@ -134,7 +126,7 @@ def test_three_differently_steered_requests_in_one_batch_each_match_their_refere
             break
     assert shared_steps >= n // 2, "the three requests never shared a batch"
     for (sites, phase), got, solo in zip(cases, batched, alone, strict=True):
-        _assert_matches(got, reference(tiny_model, PROMPT, sites, phase, max_tokens=n))
+        assert_matches(got, reference(tiny_model, PROMPT, sites, phase, max_tokens=n))
         assert got.tokens == solo.tokens  # batching does not change any answer
     unsteered, steered_a, steered_b = batched
     assert steered_a.tokens != unsteered.tokens and steered_b.tokens != unsteered.tokens

@@ -26,9 +26,8 @@ import pytest
 
 from tests.engine.hf_reference import (
     Generation,
-    completion_body,
-    max_abs_diff,
-    parse_completion,
+    assert_matches,
+    engine_completion,
     reference,
     steering_field,
 )
@@ -36,7 +35,6 @@ from tests.harness import EngineProcess
 
 pytestmark = pytest.mark.engine
 
-TOL = 1e-3
 HIDDEN = 128
 MAX_TOKENS = 10
 PROMPT = [int(x) for x in np.random.default_rng(7).integers(10, 600, 14)]
@@ -71,17 +69,7 @@ def tp_engine(tiny_model: Path) -> Iterator[EngineProcess]:
 def _complete(
     engine: EngineProcess, steering: dict | None = None, **extra: object
 ) -> tuple[Generation, httpx.Response]:
-    body = completion_body(str(engine.model), PROMPT, MAX_TOKENS, **extra)
-    if steering is not None:
-        body["steering"] = steering
-    r = httpx.post(f"{engine.url}/v1/completions", json=body, headers=engine.headers, timeout=300)
-    assert r.status_code == 200, r.text
-    return parse_completion(r.json()), r
-
-
-def _assert_matches(got: Generation, want: Generation) -> None:
-    assert got.tokens == want.tokens
-    assert max_abs_diff(got.logprobs, want.logprobs) <= TOL
+    return engine_completion(engine, PROMPT, MAX_TOKENS, steering, **extra)
 
 
 def test_engine_really_runs_two_tensor_parallel_ranks(tp_engine: EngineProcess) -> None:
@@ -94,11 +82,11 @@ def test_steered_request_on_tp2_matches_reference_and_differs_from_unsteered(
     tp_engine: EngineProcess, tiny_model: Path
 ) -> None:
     unsteered, _ = _complete(tp_engine)
-    _assert_matches(unsteered, reference(tiny_model, PROMPT, None, max_tokens=MAX_TOKENS))
+    assert_matches(unsteered, reference(tiny_model, PROMPT, None, max_tokens=MAX_TOKENS))
 
     steered, r = _complete(tp_engine, steering_field(SITES))
     assert r.json()["steering"] == {"applied": True, "latch": "none"}
-    _assert_matches(steered, reference(tiny_model, PROMPT, SITES, max_tokens=MAX_TOKENS))
+    assert_matches(steered, reference(tiny_model, PROMPT, SITES, max_tokens=MAX_TOKENS))
     assert steered.tokens != unsteered.tokens
 
 
@@ -115,7 +103,7 @@ def test_latch_bridge_on_tp2_equals_explicit_steering(
     assert r.json()["steering"] == {"applied": True, "latch": "bridged"}
     assert latched == explicit
     assert bridged == explicit  # identical tokens and logprobs
-    _assert_matches(bridged, reference(tiny_model, PROMPT, SITES, "decode", MAX_TOKENS))
+    assert_matches(bridged, reference(tiny_model, PROMPT, SITES, "decode", MAX_TOKENS))
     unsteered, _ = _complete(tp_engine)
     assert bridged.tokens != unsteered.tokens
     r = httpx.delete(
