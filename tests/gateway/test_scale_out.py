@@ -119,12 +119,24 @@ async def _fire(requests: list[tuple[str, str, dict[str, Any]]]) -> list[httpx.R
         )
 
 
+def fire_at_rpm(requests: list[tuple[str, str, dict[str, Any]]], rpm: int) -> list[int]:
+    """Fire ``requests`` at once; their status codes, checked against what GCRA at
+    ``rpm`` may admit: a burst of ``rpm``, plus one more per 60/rpm s that the burst took
+    (sent to answered; normally well under one interval, so exactly ``rpm``). A count
+    outside that is a limiter that is not exact across replicas."""
+    t0 = time.monotonic()
+    codes = [r.status_code for r in asyncio.run(_fire(requests))]
+    span_s = time.monotonic() - t0
+    most = rpm + int(span_s * rpm / 60)
+    ok = codes.count(200)
+    assert rpm <= ok <= most and ok + codes.count(429) == len(requests), (span_s, codes)
+    return codes
+
+
 def test_rpm_is_exact_across_three_replicas_under_concurrency(fleet: Any) -> None:
     gateways, _ = fleet
     key = tenant(gateways[0], "rpm", rpm=30, max_concurrency=1000, tpm=10_000_000)
-    responses = asyncio.run(_fire([(gateways[i % 3].url, key, body()) for i in range(90)]))
-    codes = [r.status_code for r in responses]
-    assert codes.count(200) == 30 and codes.count(429) == 60, codes
+    fire_at_rpm([(gateways[i % 3].url, key, body()) for i in range(90)], rpm=30)
 
 
 def test_per_key_rpm_is_exact_across_replicas_and_budgets_refuse_on_all(fleet: Any) -> None:
