@@ -11,8 +11,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 
@@ -24,6 +26,9 @@ ENGINE_TOKEN = "test-engine-token-0123456789abcdef"
 #: ``STEERGATE_TEST_REDIS=cluster`` runs the suite against a local Redis Cluster
 #: (``tests/cluster_harness.py``) instead of one redis-server.
 CLUSTER = os.environ.get("STEERGATE_TEST_REDIS", "") == "cluster"
+
+
+T = TypeVar("T")
 
 
 def redis_client(url: str, **kwargs: object):  # -> redis.Redis | redis.RedisCluster
@@ -65,6 +70,18 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def wait_for(
+    check: Callable[[], T], timeout: float, what: str = "condition not reached in time"
+) -> T:
+    """Poll ``check`` until it returns something truthy (returned), or fail after
+    ``timeout`` seconds with ``what``."""
+    deadline = time.monotonic() + timeout
+    while not (found := check()):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+    return found
 
 
 def wait_port(port: int, timeout: float) -> bool:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import calendar
 import time
-from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -17,7 +16,7 @@ from steergate.gateway.tenants import TenantStore
 from tests.gateway.conftest import make_tenant
 from tests.gateway.ops_env import bearer, chat_body
 from tests.gateway.servers import ServerThread
-from tests.harness import aredis_client, redis_client
+from tests.harness import aredis_client, redis_client, wait_for
 
 
 def ms(y: int, mo: int, d: int, h: int = 0, mi: int = 0, s: int = 0) -> int:
@@ -82,13 +81,6 @@ async def test_read_usage_reads_the_day_or_month_rollup(redis_url: str) -> None:
         await client.aclose()
 
 
-def wait_for(check: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.05)
-
 
 def my_usage(url: str, key: str) -> dict[str, Any]:
     r = httpx.get(url + "/v1/usage", headers=bearer(key), timeout=10)
@@ -134,7 +126,7 @@ def test_the_budget_counts_what_real_requests_were_charged(
         assert r.status_code == 200, r.text
         charged += r.json()["usage"]["total_tokens"]
     # Settlement is asynchronous: the budget shows a request once it is settled.
-    wait_for(lambda: my_usage(gateway.url, key)["budget"]["used"] == charged)
+    wait_for(lambda: my_usage(gateway.url, key)["budget"]["used"] == charged, 10)
     budget = my_usage(gateway.url, key)["budget"]
     assert budget["remaining"] == 100 - charged and budget["period"] == "day"
     assert budget["resets_at"] == (int(time.time()) // 86400 + 1) * 86400 or (

@@ -10,7 +10,6 @@ mean bit-identical steering.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,7 +20,7 @@ from steergate.gateway import keys
 from steergate.shared.scoping import scope
 from tests.gateway.conftest import ADMIN_KEY, FakeEngine, make_tenant, start_stub_engine
 from tests.gateway.servers import ServerThread
-from tests.harness import redis_client
+from tests.harness import redis_client, wait_for
 
 CHAT = "/v1/chat/completions"
 FAST_POLL = {"reconcile_interval_s": 0.1, "engine_sync_interval_s": 3600.0}
@@ -50,12 +49,6 @@ def put_vector(gw: ServerThread, key: str, name: str, value: float) -> httpx.Res
 def inline(value: float, latch: bool = True) -> dict[str, Any]:
     return {"vectors": [{"hook": "post_attn", "layers": {"2": [value] * 8}}], "latch": latch}
 
-
-def wait_for(check: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
 
 
 @pytest.fixture()
@@ -151,7 +144,7 @@ def test_quota_eviction_is_the_only_way_a_latch_is_lost(
     # c1 was evicted by the tenant's own quota: never steered again, on any engine
     r = chat(gateway, key, conversation_id="c1")
     assert r.headers["x-steering-latch"] == "none" and text(r) == "echo"
-    wait_for(lambda: "acme~c1" not in fake_engine.state.latches)
+    wait_for(lambda: "acme~c1" not in fake_engine.state.latches, 5)
 
 
 # -- vectors ----------------------------------------------------------------------------
@@ -168,7 +161,7 @@ def test_a_changed_vector_makes_its_by_reference_latch_stale_after_a_restart(
     r = chat(gateway, key, conversation_id="c")
     assert r.headers["x-steering-latch"] == "dropped_stale" and text(r) == "echo"
     client = redis_client(redis_url)
-    wait_for(lambda: client.zcard(keys.latches("acme")) == 0)
+    wait_for(lambda: client.zcard(keys.latches("acme")) == 0, 5)
 
 
 def test_a_deleted_vector_makes_its_by_reference_latch_stale_after_a_restart(
@@ -215,7 +208,7 @@ def test_two_engines_failover_is_exact_and_a_returning_engine_is_hydrated_lazily
 ) -> None:
     start_engines(engines, 2)
     gw = start_gateway(engine_urls=",".join(e.url for e in engines), **FAST_POLL)
-    wait_for(lambda: all(not e.dirty for e in gw.app.state.services.engines.engines))
+    wait_for(lambda: all(not e.dirty for e in gw.app.state.services.engines.engines), 5)
     key = make_tenant(redis_url, "acme")
     latched = text(chat(gw, key, conversation_id="c", steering=inline(0.5)))
     home = owner(gw, "acme", "c", engines)
@@ -233,7 +226,7 @@ def test_two_engines_failover_is_exact_and_a_returning_engine_is_hydrated_lazily
     assert put_vector(gw, key, "calm", 0.25).status_code == 201  # registered meanwhile
 
     bring_back(home)
-    wait_for(lambda: owner(gw, "acme", "c", engines) is home)
+    wait_for(lambda: owner(gw, "acme", "c", engines) is home, 5)
     r = chat(gw, key, conversation_id="c")
     assert r.headers["x-steering-latch"] in ("bridged", "restored") and text(r) == latched
     # the vector registered while it was away works on both engines, identically
@@ -286,7 +279,7 @@ def test_tenant_delete_with_an_engine_down_leaves_no_trace_after_it_returns(
             k.startswith("acme~") for e in engines for k in (*e.state.latches, *e.state.vectors)
         )
 
-    wait_for(clean)
+    wait_for(clean, 5)
     assert any(k.startswith("other~") for e in engines for k in e.state.vectors)
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -22,7 +21,7 @@ from steergate.gateway.app import create_app
 from steergate.shared.scoping import scope
 from tests.gateway.conftest import ADMIN_KEY, gateway_settings, make_tenant
 from tests.gateway.servers import ServerThread
-from tests.harness import EngineProcess
+from tests.harness import EngineProcess, wait_for
 
 pytestmark = pytest.mark.engine
 
@@ -89,12 +88,6 @@ def start_gateway(redis_url: str) -> Iterator[Callable[..., ServerThread]]:
     for s in started:
         s.stop()
 
-
-def wait_for(check: Callable[[], bool], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.1)
 
 
 def hidden(engine: EngineProcess) -> int:

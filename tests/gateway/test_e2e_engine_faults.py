@@ -13,7 +13,7 @@ import pytest
 from steergate.gateway.app import create_app
 from tests.gateway.conftest import gateway_settings, make_tenant
 from tests.gateway.servers import ServerThread
-from tests.harness import EngineProcess, redis_client
+from tests.harness import EngineProcess, redis_client, wait_for
 
 pytestmark = pytest.mark.engine
 
@@ -53,12 +53,6 @@ def _engine_latches(engine: EngineProcess, tenant: str) -> set[str]:
     return {x["conversation_id"] for x in r.json()}
 
 
-def _wait(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.1)
-
 
 def test_200_concurrent_latching_requests_leave_at_most_quota_latches(
     real_gateway: ServerThread, engine: EngineProcess, redis_url: str
@@ -88,7 +82,7 @@ def test_200_concurrent_latching_requests_leave_at_most_quota_latches(
     assert states <= {"latched", "evicted_quota"} and "evicted_quota" in states
     store = redis_client(redis_url)
     # settlement is asynchronous: wait for it to finish correcting the ledger
-    _wait(lambda: len(_engine_latches(engine, "race")) <= 10, 10, "engine holds > 10 latches")
+    wait_for(lambda: len(_engine_latches(engine, "race")) <= 10, 10, "engine holds > 10 latches")
     in_redis = set(store.zrange("sg:{t:race}:latches", 0, -1))
     on_engine = {c.split("~", 1)[1] for c in _engine_latches(engine, "race")}
     assert 1 <= len(in_redis) <= 10
@@ -110,7 +104,7 @@ def test_engine_stop_is_502_and_after_a_restart_the_latch_is_restored(
     r = httpx.post(url, headers=auth, json=body, timeout=120)
     assert r.status_code == 200 and r.headers["x-steering-latch"] == "latched"
     store = redis_client(redis_url)
-    _wait(lambda: store.zcard("sg:{t:restart}:latches") == 1, 5, "latch not recorded")
+    wait_for(lambda: store.zcard("sg:{t:restart}:latches") == 1, 5, "latch not recorded")
 
     engine.stop()
     try:

@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -20,7 +20,7 @@ import pytest
 
 from tests.gateway.conftest import ADMIN_KEY, ENGINE_TOKEN, PEPPER, FakeEngine, start_stub_engine
 from tests.gateway.servers import ServerThread
-from tests.harness import ROOT, free_port, wait_port
+from tests.harness import ROOT, free_port, wait_for, wait_port
 
 pytestmark = pytest.mark.scale
 
@@ -70,7 +70,7 @@ def fleet(redis_url: str) -> Iterator[tuple[list[GatewayProcess], list[FakeEngin
     urls = ",".join(e.url for e in engines)
     gateways = [GatewayProcess(redis_url, urls) for _ in range(3)]
     try:
-        wait_until(lambda: all(_ready(g) for g in gateways), 30)
+        wait_for(lambda: all(_ready(g) for g in gateways), 30)
         yield gateways, engines
     finally:
         for g in gateways:
@@ -85,12 +85,6 @@ def _ready(g: GatewayProcess) -> bool:
     except httpx.HTTPError:
         return False
 
-
-def wait_until(check: Callable[[], bool], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
 
 
 def tenant(gw: GatewayProcess, tenant_id: str, **limits: Any) -> str:
@@ -172,7 +166,7 @@ def test_per_key_rpm_is_exact_across_replicas_and_budgets_refuse_on_all(fleet: A
         )
         return r.status_code == 429
 
-    wait_until(spent, 10)  # each answer is a few tokens: the budget runs out
+    wait_for(spent, 10)  # each answer is a few tokens: the budget runs out
     for g in gateways:
         r = httpx.post(
             g.url + "/v1/chat/completions", json=body(), headers={"Authorization": f"Bearer {key}"}
@@ -199,7 +193,7 @@ def test_latch_quota_is_exact_across_replicas(fleet: Any) -> None:
     ).json()
     assert 1 <= len(listed) <= 5
     # the engines converge on Redis: evicted copies are deleted, at most 5 remain
-    wait_until(
+    wait_for(
         lambda: sum(1 for e in engines for c in e.state.latches if c.startswith("latch~")) <= 5,
         10,
     )

@@ -6,7 +6,6 @@ gateway works, and a client's own ``traceparent`` reaches the engine unchanged."
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -19,6 +18,7 @@ from tests.gateway.conftest import ENGINE_TOKEN, make_tenant
 from tests.gateway.ops_env import bearer, chat_body
 from tests.gateway.servers import ServerThread
 from tests.gateway.stub_engine import StubEngine
+from tests.harness import wait_for
 
 OTEL_ENV = (
     "OTEL_EXPORTER_OTLP_ENDPOINT",
@@ -67,13 +67,20 @@ def exporter(no_otel_env: None) -> Iterator[Any]:
     tracing.shutdown()
 
 
-def wait_for(check: Callable[[], Any], timeout: float = 5.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (found := check()):
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.02)
-    return found
+def server_span(exporter: Any, request_id: str) -> Any:
+    """The gateway's SERVER span of the request with this id, once it has ended."""
+    return wait_for(
+        lambda: next(
+            (
+                s
+                for s in exporter.get_finished_spans()
+                if s.attributes.get("steergate.request_id") == request_id
+                and s.kind.name == "SERVER"
+            ),
+            None,
+        ),
+        5,
+    )
 
 
 def trace_id_of(traceparent: str) -> str:
@@ -100,19 +107,8 @@ def test_a_request_is_one_trace_from_the_gateway_to_the_engine(
     key = make_tenant(redis_url, "acme")
     r = chat(gw.url, key, **{"x-request-id": "trace-me-1"})
     assert r.status_code == 200, r.text
-
-    def server_span() -> Any:
-        return next(
-            (
-                s
-                for s in exporter.get_finished_spans()
-                if s.name == "POST /v1/chat/completions"
-                and s.attributes.get("steergate.request_id") == "trace-me-1"
-            ),
-            None,
-        )
-
-    span = wait_for(server_span)
+    span = server_span(exporter, "trace-me-1")
+    assert span.name == "POST /v1/chat/completions"
     attrs = dict(span.attributes)
     assert attrs["steergate.tenant_id"] == "acme"
     assert attrs["http.route"] == "/v1/chat/completions"
@@ -145,7 +141,9 @@ def test_a_request_is_one_trace_from_the_gateway_to_the_engine(
         assert by_name[stage].parent is not None
     assert parent_id == format(by_name["proxy"].context.span_id, "016x")
     # Settlement runs later, in the background, in batches: its own span.
-    settled = wait_for(lambda: [s for s in exporter.get_finished_spans() if s.name == "settlement"])
+    settled = wait_for(
+        lambda: [s for s in exporter.get_finished_spans() if s.name == "settlement"], 5
+    )
     assert settled[0].attributes["steergate.requests"] >= 1
 
 
@@ -160,17 +158,7 @@ def test_a_clients_traceparent_is_the_parent_of_the_gateways_spans(
     key = make_tenant(redis_url, "acme")
     r = chat(gw.url, key, traceparent=CLIENT_PARENT, **{"x-request-id": "trace-me-2"})
     assert r.status_code == 200, r.text
-    span = wait_for(
-        lambda: next(
-            (
-                s
-                for s in exporter.get_finished_spans()
-                if s.attributes.get("steergate.request_id") == "trace-me-2"
-                and s.kind.name == "SERVER"
-            ),
-            None,
-        )
-    )
+    span = server_span(exporter, "trace-me-2")
     assert format(span.context.trace_id, "032x") == CLIENT_TRACE_ID
     assert span.parent is not None and format(span.parent.span_id, "016x") == "00f067aa0ba902b7"
     sent = engine.headers[-1]["traceparent"]

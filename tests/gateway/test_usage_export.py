@@ -13,7 +13,6 @@ import csv
 import io
 import json
 import time
-from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -24,7 +23,7 @@ from steergate.gateway import keys, usage
 from tests.gateway.conftest import ADMIN_KEY
 from tests.gateway.ops_env import ADMIN, Ops, bearer, chat_body, ops  # noqa: F401 - fixture
 from tests.gateway.servers import ServerThread
-from tests.harness import redis_client
+from tests.harness import redis_client, wait_for
 
 TODAY = keys.utc_day(time.time())
 
@@ -279,13 +278,6 @@ def test_a_key_without_the_usage_scope_cannot_export(acme: tuple[str, str]) -> N
 # ---------------------------------------------------------------------------- end to end
 
 
-def wait_for(check: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.05)
-
 
 def test_export_totals_equal_the_sum_of_what_clients_were_charged(gateway: ServerThread) -> None:
     """A scripted workload over two keys: non-streamed and streamed answers (streams with
@@ -333,7 +325,7 @@ def test_export_totals_equal_the_sum_of_what_clients_were_charged(gateway: Serve
         return export(url, key_a).json()["totals"]
 
     # Settlement is asynchronous (batched off the hot path): wait for the last request.
-    wait_for(lambda: totals()["requests"] == made and totals()["429"] == refused)
+    wait_for(lambda: totals()["requests"] == made and totals()["429"] == refused, 10)
     got = totals()
     assert got["prompt_tokens"] == sum(t["prompt"] for t in charged.values())
     assert got["completion_tokens"] == sum(t["completion"] for t in charged.values())
