@@ -27,6 +27,16 @@ import torch
 
 Site = tuple[str, int]
 
+#: The tiny model's hidden size, and the prompt the engine tests decode from.
+HIDDEN = 128
+PROMPT = [int(x) for x in np.random.default_rng(7).integers(10, 600, 14)]
+
+
+def unit_vector(seed: int, norm: float = 6.0) -> np.ndarray:
+    """A random float32 steering vector of this ``norm`` (reproducible by ``seed``)."""
+    v = np.random.default_rng(seed).normal(size=HIDDEN).astype(np.float32)
+    return (v / np.linalg.norm(v) * norm).astype(np.float32)
+
 
 @dataclass(frozen=True)
 class Generation:
@@ -162,3 +172,60 @@ def assert_matches(got: Generation, want: Generation, tol: float = TOL) -> None:
     assert got.tokens == want.tokens
     assert max_abs_diff(got.logprobs, want.logprobs) <= tol
 
+
+
+# -- the checks every multi-rank engine passes (tensor parallel, Ray) ----------------------
+
+MULTIRANK_MAX_TOKENS = 10
+#: Sites on an early, a middle and the last layer, at all three hook points: a rank
+#: that skipped any of them would leave the reference.
+MULTIRANK_SITES = {
+    ("pre_attn", 1): unit_vector(41),
+    ("post_attn", 2): unit_vector(42, norm=4.0),
+    ("post_block", 3): unit_vector(43, norm=3.0),
+}
+
+
+def _multirank_completion(
+    engine: Any, steering: dict[str, Any] | None = None, **extra: Any
+) -> tuple[Generation, Any]:
+    return engine_completion(engine, PROMPT, MULTIRANK_MAX_TOKENS, steering, **extra)
+
+
+def check_steered_request_matches_reference(engine: Any, model: Path) -> None:
+    """Unsteered and steered greedy decoding both equal the float32 reference."""
+    n = MULTIRANK_MAX_TOKENS
+    unsteered, _ = _multirank_completion(engine)
+    assert_matches(unsteered, reference(model, PROMPT, None, max_tokens=n))
+    steered, r = _multirank_completion(engine, steering_field(MULTIRANK_SITES))
+    assert r.json()["steering"] == {"applied": True, "latch": "none"}
+    assert_matches(steered, reference(model, PROMPT, MULTIRANK_SITES, max_tokens=n))
+    assert steered.tokens != unsteered.tokens
+
+
+def check_latch_bridges_as_explicit_steering(
+    engine: Any, model: Path, conversation_id: str
+) -> None:
+    """A latch set on one turn steers the next exactly as the explicit field does
+    (tokens and logprobs identical, and equal to the reference); then it is deleted."""
+    import httpx
+
+    decode = steering_field(MULTIRANK_SITES, "decode")
+    explicit, _ = _multirank_completion(engine, decode)
+    latched, r = _multirank_completion(
+        engine, {**decode, "latch": True}, conversation_id=conversation_id
+    )
+    assert r.headers["x-steering-latch"] == "latched"
+    bridged, r = _multirank_completion(engine, conversation_id=conversation_id)
+    assert r.headers["x-steering-latch"] == "bridged"
+    assert r.json()["steering"] == {"applied": True, "latch": "bridged"}
+    assert latched == explicit
+    assert bridged == explicit  # identical tokens and logprobs
+    want = reference(model, PROMPT, MULTIRANK_SITES, "decode", MULTIRANK_MAX_TOKENS)
+    assert_matches(bridged, want)
+    unsteered, _ = _multirank_completion(engine)
+    assert bridged.tokens != unsteered.tokens
+    r = httpx.delete(
+        f"{engine.url}/v1/steering/latches/{conversation_id}", headers=engine.headers, timeout=30
+    )
+    assert r.status_code == 204

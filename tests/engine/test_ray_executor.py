@@ -40,8 +40,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
-import numpy as np
 import pytest
 
 pytestmark = [pytest.mark.engine, pytest.mark.ray]
@@ -53,30 +51,13 @@ ray = pytest.importorskip(
 from vllm.v1.executor.ray_executor_v2 import RayExecutorV2  # noqa: E402
 
 from tests.engine.hf_reference import (  # noqa: E402
-    Generation,
-    assert_matches,
-    engine_completion,
-    reference,
-    steering_field,
+    check_latch_bridges_as_explicit_steering,
+    check_steered_request_matches_reference,
 )
 from tests.harness import ROOT, EngineProcess  # noqa: E402
 
-HIDDEN = 128
-MAX_TOKENS = 10
-PROMPT = [int(x) for x in np.random.default_rng(7).integers(10, 600, 14)]
 STOCK_REFUSAL = "ValueError: current platform cpu does not support ray."
 
-
-def _vec(seed: int, norm: float = 6.0) -> np.ndarray:
-    v = np.random.default_rng(seed).normal(size=HIDDEN).astype(np.float32)
-    return (v / np.linalg.norm(v) * norm).astype(np.float32)
-
-
-SITES = {
-    ("pre_attn", 1): _vec(41),
-    ("post_attn", 2): _vec(42, norm=4.0),
-    ("post_block", 3): _vec(43, norm=3.0),
-}
 
 # Both ranks are Ray actors on this host: bind their OpenMP threads to CPUs 0 and 1
 # (vLLM CPU's default "auto" wants one NUMA node per rank; see test_tensor_parallel).
@@ -261,12 +242,6 @@ def _shm_of_ray_processes(engine: EngineProcess) -> set[Path]:
     return found
 
 
-def _complete(
-    engine: EngineProcess, steering: dict | None = None, **extra: object
-) -> tuple[Generation, httpx.Response]:
-    return engine_completion(engine, PROMPT, MAX_TOKENS, steering, **extra)
-
-
 def test_engine_runs_two_ranks_as_ray_actors_with_the_plugin(ray_engine: EngineProcess) -> None:
     log = ray_engine.log_tail(10**9)
     assert "Started a local Ray instance" in log
@@ -286,30 +261,8 @@ def test_engine_runs_two_ranks_as_ray_actors_with_the_plugin(ray_engine: EngineP
 def test_steered_request_under_ray_matches_reference(
     ray_engine: EngineProcess, tiny_model: Path
 ) -> None:
-    unsteered, _ = _complete(ray_engine)
-    assert_matches(unsteered, reference(tiny_model, PROMPT, None, max_tokens=MAX_TOKENS))
-
-    steered, r = _complete(ray_engine, steering_field(SITES))
-    assert r.json()["steering"] == {"applied": True, "latch": "none"}
-    assert_matches(steered, reference(tiny_model, PROMPT, SITES, max_tokens=MAX_TOKENS))
-    assert steered.tokens != unsteered.tokens
+    check_steered_request_matches_reference(ray_engine, tiny_model)
 
 
 def test_latch_bridges_under_ray(ray_engine: EngineProcess, tiny_model: Path) -> None:
-    explicit, _ = _complete(ray_engine, steering_field(SITES, "decode"))
-    latched, r = _complete(
-        ray_engine, {**steering_field(SITES, "decode"), "latch": True}, conversation_id="ray-conv"
-    )
-    assert r.headers["x-steering-latch"] == "latched"
-    bridged, r = _complete(ray_engine, conversation_id="ray-conv")
-    assert r.headers["x-steering-latch"] == "bridged"
-    assert r.json()["steering"] == {"applied": True, "latch": "bridged"}
-    assert latched == explicit
-    assert bridged == explicit  # identical tokens and logprobs
-    assert_matches(bridged, reference(tiny_model, PROMPT, SITES, "decode", MAX_TOKENS))
-    unsteered, _ = _complete(ray_engine)
-    assert bridged.tokens != unsteered.tokens
-    r = httpx.delete(
-        f"{ray_engine.url}/v1/steering/latches/ray-conv", headers=ray_engine.headers, timeout=30
-    )
-    assert r.status_code == 204
+    check_latch_bridges_as_explicit_steering(ray_engine, tiny_model, "ray-conv")

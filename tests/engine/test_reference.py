@@ -10,10 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
 
 from tests.engine.hf_reference import (
+    PROMPT,
     Generation,
     assert_matches,
     completion_body,
@@ -22,19 +22,11 @@ from tests.engine.hf_reference import (
     parse_completion,
     reference,
     steering_field,
+    unit_vector,
 )
 from tests.harness import EngineProcess
 
 pytestmark = pytest.mark.engine
-
-HIDDEN = 128
-PROMPT = [int(x) for x in np.random.default_rng(7).integers(10, 600, 14)]
-
-
-def _vec(seed: int, norm: float = 6.0) -> np.ndarray:
-    v = np.random.default_rng(seed).normal(size=HIDDEN).astype(np.float32)
-    return (v / np.linalg.norm(v) * norm).astype(np.float32)
-
 
 def _complete(engine: EngineProcess, sites=None, phase: str = "all", max_tokens: int = 10,
               prompt: list[int] = PROMPT) -> Generation:
@@ -60,7 +52,7 @@ def test_unsteered_request_matches_reference(unsteered: Generation, tiny_model: 
 def test_steered_request_matches_reference(
     f32_engine: EngineProcess, tiny_model: Path, unsteered: Generation, hook: str, phase: str
 ) -> None:
-    sites = {(hook, 1): _vec(11), (hook, 3): _vec(12, norm=3.0)}
+    sites = {(hook, 1): unit_vector(11), (hook, 3): unit_vector(12, norm=3.0)}
     got = _complete(f32_engine, sites, phase)
     want = reference(tiny_model, PROMPT, sites, phase, max_tokens=10)
     assert_matches(got, want)
@@ -72,7 +64,7 @@ def test_steered_request_matches_reference(
 def test_layer0_pre_attn_steers_the_embeddings(
     f32_engine: EngineProcess, tiny_model: Path, unsteered: Generation
 ) -> None:
-    sites = {("pre_attn", 0): _vec(21)}
+    sites = {("pre_attn", 0): unit_vector(21)}
     got = _complete(f32_engine, sites)
     assert_matches(got, reference(tiny_model, PROMPT, sites, max_tokens=10))
     assert got.tokens != unsteered.tokens
@@ -103,8 +95,8 @@ def _send_together(engine: EngineProcess, bodies: list[dict]) -> list[Generation
 def test_three_differently_steered_requests_in_one_batch_each_match_their_reference(
     f32_engine: EngineProcess, tiny_model: Path
 ) -> None:
-    a = {("post_block", 2): _vec(31), ("pre_attn", 1): _vec(32, norm=2.0)}
-    b = {("post_attn", 0): _vec(33)}
+    a = {("post_block", 2): unit_vector(31), ("pre_attn", 1): unit_vector(32, norm=2.0)}
+    b = {("post_attn", 0): unit_vector(33)}
     cases = [(None, "all"), (a, "all"), (b, "decode")]
     n = 48
     alone = [_complete(f32_engine, s, p, n) for s, p in cases]
