@@ -35,8 +35,12 @@ SENDERS = 4
 
 
 def _chat(steering: dict) -> dict:
-    return {"model": "stub", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-            "steering": steering}
+    return {
+        "model": "stub",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        "steering": steering,
+    }
 
 
 def inline_body(size: int = BODY_BYTES) -> bytes:
@@ -133,10 +137,7 @@ def p95(xs: list[float]) -> float:
 
 def summary(name: str, xs: list[float]) -> str:
     s = sorted(xs)
-    return (
-        f"{name}: n={len(s)} p50={statistics.median(s):.1f} p95={p95(s):.1f} "
-        f"max={s[-1]:.1f} ms"
-    )
+    return f"{name}: n={len(s)} p50={statistics.median(s):.1f} p95={p95(s):.1f} max={s[-1]:.1f} ms"
 
 
 def under_attack(url: str, key_a: str, key_b: str, seconds: float) -> tuple[Probes, dict]:
