@@ -10,11 +10,12 @@ Prints B's p50/p95/max per round and the spread of p95 over rounds, then what th
 parsing steps cost in this process (orjson of each body, the element checks).
 
     .venv/bin/python bench/hostile_bodies.py [--rounds 3] [--seconds 8]
-        [--workers 2] [--tree PATH]
+        [--workers 2] [--tree PATH] [--kind chat|vector]
 
 ``--workers 0`` parses large bodies on the gateway's event loop (the setting
 ``STEERGATE_BODY_PARSE_WORKERS``); ``--tree /path/to/other/checkout`` runs that
-checkout's gateway (e.g. the code before the fix) against the same load.
+checkout's gateway (e.g. the code before the fix) against the same load;
+``--kind vector`` sends the same bodies as vector uploads instead of chat steering.
 """
 
 from __future__ import annotations
@@ -84,6 +85,9 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--workers", type=int, default=2, help="STEERGATE_BODY_PARSE_WORKERS")
     ap.add_argument("--tree", type=Path, default=ROOT, help="checkout whose gateway runs")
+    ap.add_argument(
+        "--kind", choices=("chat", "vector"), default="chat", help="chat steering or vector PUTs"
+    )
     args = ap.parse_args()
 
     from tests.gateway.conftest import ADMIN_KEY, ENGINE_TOKEN, PEPPER, start_stub_engine
@@ -117,12 +121,13 @@ def main() -> int:
 
         key_a = make_tenant(redis.url, "attacker", max_concurrency=2)
         key_b = make_tenant(redis.url, "bystander", rpm=100_000)
-        print(f"gateway from {args.tree.resolve()}, body parse workers {args.workers}; "
+        print(f"gateway from {args.tree.resolve()}, body parse workers {args.workers}, "
+              f"attack: {args.kind}; "
               f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}")  # fmt: skip
         quiet95, loud95 = [], []
         for i in range(args.rounds):
             quiet = probe(url, key_b, args.seconds - 1.5)
-            loud, codes = under_attack(url, key_a, key_b, args.seconds)
+            loud, codes = under_attack(url, key_a, key_b, args.seconds, args.kind)
             quiet95.append(p95(quiet.all))
             loud95.append(p95(loud.all))
             print(f"round {i + 1}: " + summary("B quiet", quiet.all))

@@ -1,5 +1,6 @@
-"""Large inference bodies parsed and validated in worker processes, one at a time per
-tenant, so that one tenant's bodies never hold the event loop that serves the others.
+"""Large inference and vector-upload bodies parsed and validated in worker processes,
+one at a time per tenant, so that one tenant's bodies never hold the event loop that
+serves the others.
 
 Why processes: parsing JSON builds a Python object per number (orjson: ~50 ms for a
 7.8 MB body of short numbers), and neither orjson nor numpy's list conversion releases
@@ -36,7 +37,12 @@ import orjson
 from steergate.gateway.scoping import InlineBudget, prescan
 from steergate.shared.errors import APIError, InvalidField
 from steergate.shared.jsondepth import check_json_depth
-from steergate.shared.steering import ModelShape, SteeringRequest, parse_steering
+from steergate.shared.steering import (
+    ModelShape,
+    SteeringRequest,
+    parse_steering,
+    parse_vector_body,
+)
 
 log = logging.getLogger("steergate.gateway.bodies")
 
@@ -81,6 +87,15 @@ def parse_in_worker(raw: bytes, shape: ModelShape | None, budget: InlineBudget) 
         return ("error", exc.param, exc.message, exc.code)
 
 
+def vector_in_worker(raw: bytes, shape: ModelShape | None) -> tuple[Any, ...]:
+    """A vector upload's JSON body (``parse_vector_body``) in a worker process:
+    ``("ok", hook, layers, description)`` or the error as in :func:`parse_in_worker`."""
+    try:
+        return ("ok", *parse_vector_body(parse_body(raw), shape))
+    except APIError as exc:
+        return ("error", exc.param, exc.message, exc.code)
+
+
 @dataclass
 class _Turn:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -109,22 +124,33 @@ class BodyParser:
     async def parse(self, raw: bytes, tenant_id: str, shape: ModelShape | None) -> Parsed:
         """Parse and validate ``raw`` in a worker once this tenant's earlier large
         bodies are done; raises the contract's 400 for what the worker refused."""
+        result = await self._call(tenant_id, parse_in_worker, raw, shape, self.budget)
+        return Parsed(result[0], result[1], shape)
+
+    async def parse_vector(
+        self, raw: bytes, tenant_id: str, shape: ModelShape | None
+    ) -> tuple[str, dict[int, Any], str | None]:
+        """A vector upload's ``(hook, layers, description)``, parsed the same way."""
+        hook, layers, description = await self._call(tenant_id, vector_in_worker, raw, shape)
+        return hook, layers, description
+
+    async def _call(self, tenant_id: str, fn: Any, *args: Any) -> tuple[Any, ...]:
         async with self._turn(tenant_id):
-            result = await self._run(raw, shape)
+            result = await self._run(fn, *args)
         if result[0] == "error":
             _, param, message, code = result
             raise InvalidField(param, message, code)
-        return Parsed(result[1], result[2], shape)
+        return tuple(result[1:])
 
-    async def _run(self, raw: bytes, shape: ModelShape | None) -> tuple[Any, ...]:
+    async def _run(self, fn: Any, *args: Any) -> tuple[Any, ...]:
         if not self.workers:  # configured off: on the event loop (measured in the docs)
-            return parse_in_worker(raw, shape, self.budget)
+            return fn(*args)  # type: ignore[no-any-return]
         if self._pool is None:
             self.start()
         assert self._pool is not None
         loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(self._pool, parse_in_worker, raw, shape, self.budget)
+            return await loop.run_in_executor(self._pool, fn, *args)
         except BrokenProcessPool as exc:  # a worker died (killed, out of memory)
             log.error("body parser pool broken; starting a new one")
             self.close()

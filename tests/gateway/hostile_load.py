@@ -7,7 +7,7 @@ The hostile bodies are what the issue found: about 7.8 MB of valid JSON whose
 ``steering`` is invalid only at its very end (a string after a million numbers in an
 inline array; a non-base64 character closing a packed ``data``), so a validator that
 walks the body finds out last. The attacker runs in its own process
-(``python -m tests.gateway.hostile_load URL KEY SECONDS``), so its client work never
+(``python -m tests.gateway.hostile_load URL KEY SECONDS chat|vector``), so its client work never
 shares an interpreter with B's probes.
 """
 
@@ -59,9 +59,20 @@ def packed_body(size: int = BODY_BYTES) -> bytes:
     return orjson.dumps(_chat({"vectors": [{"hook": "post_block", "packed": packed}]}))
 
 
-def attack(url: str, key: str, seconds: float) -> dict[str, int]:
-    """SENDERS threads, each posting hostile bodies back to back (inline, packed, ...)."""
-    bodies = [inline_body(), packed_body()]
+def vector_bodies() -> list[bytes]:
+    """The same two as vector uploads (``PUT /v1/steering/vectors/{name}``)."""
+    return [orjson.dumps(orjson.loads(b)["steering"]["vectors"][0]) for b in attack_bodies()]
+
+
+def attack_bodies() -> list[bytes]:
+    return [inline_body(), packed_body()]
+
+
+def attack(url: str, key: str, seconds: float, kind: str = "chat") -> dict[str, int]:
+    """SENDERS threads, each sending hostile bodies back to back (inline, packed, ...):
+    ``kind`` "chat" posts them as chat steering, "vector" as vector uploads."""
+    bodies = attack_bodies() if kind == "chat" else vector_bodies()
+    path = CHAT if kind == "chat" else "/v1/steering/vectors/hostile"
     codes: dict[str, int] = {}
     lock = threading.Lock()
     deadline = time.monotonic() + seconds
@@ -71,7 +82,8 @@ def attack(url: str, key: str, seconds: float) -> dict[str, int]:
         with httpx.Client(timeout=60) as client:
             n = i
             while time.monotonic() < deadline:
-                r = client.post(url + CHAT, content=bodies[n % 2], headers=headers)
+                method = "POST" if kind == "chat" else "PUT"
+                r = client.request(method, url + path, content=bodies[n % 2], headers=headers)
                 n += 1
                 try:
                     code = r.json()["error"]["code"]
@@ -88,9 +100,9 @@ def attack(url: str, key: str, seconds: float) -> dict[str, int]:
     return codes
 
 
-def start_attacker(url: str, key: str, seconds: float) -> subprocess.Popen[bytes]:
+def start_attacker(url: str, key: str, seconds: float, kind: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.gateway.hostile_load", url, key, str(seconds)],
+        [sys.executable, "-m", "tests.gateway.hostile_load", url, key, str(seconds), kind],
         cwd=ROOT,
         stdout=subprocess.PIPE,
     )
@@ -140,8 +152,10 @@ def summary(name: str, xs: list[float]) -> str:
     return f"{name}: n={len(s)} p50={statistics.median(s):.1f} p95={p95(s):.1f} max={s[-1]:.1f} ms"
 
 
-def under_attack(url: str, key_a: str, key_b: str, seconds: float) -> tuple[Probes, dict]:
-    proc = start_attacker(url, key_a, seconds)
+def under_attack(
+    url: str, key_a: str, key_b: str, seconds: float, kind: str = "chat"
+) -> tuple[Probes, dict]:
+    proc = start_attacker(url, key_a, seconds, kind)
     time.sleep(1.0)  # the attacker's bodies built and its first ones in flight
     probes = probe(url, key_b, seconds - 1.5)
     out, _ = proc.communicate(timeout=seconds + 120)
@@ -149,4 +163,4 @@ def under_attack(url: str, key_a: str, key_b: str, seconds: float) -> tuple[Prob
 
 
 if __name__ == "__main__":
-    print(json.dumps(attack(sys.argv[1], sys.argv[2], float(sys.argv[3]))))
+    print(json.dumps(attack(sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4])))

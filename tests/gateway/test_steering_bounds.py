@@ -205,3 +205,31 @@ def test_a_tenants_large_bodies_wait_for_each_other_not_for_other_tenants() -> N
 
     events = asyncio.run(scenario())
     assert events == ["a1 in", "b1 in", "b1 out", "a1 out", "a2 in", "a2 out"]
+
+
+@pytest.mark.parametrize(
+    ("layers", "status", "param"),
+    [
+        ({"1": [0.5] * HIDDEN}, 201, None),
+        ({"1": [0.5] * (HIDDEN - 1) + [False]}, 400, "layers.1"),
+        ({"1": [0.5] * (HIDDEN + 1)}, 400, "layers.1"),
+    ],
+)
+def test_a_large_vector_upload_parsed_in_a_worker_is_answered_like_a_small_one(
+    gateway: ServerThread, redis_url: str, layers: Any, status: int, param: str | None
+) -> None:
+    """Whitespace makes the same upload a large body (valid JSON, parsed in a worker)."""
+    key = make_tenant(redis_url, "acme")
+    answers = []
+    for i, pad in enumerate((0, OFF_LOOP_BYTES + 1000)):
+        r = httpx.put(
+            gateway.url + f"/v1/steering/vectors/v{i}",
+            content=_json({"hook": "post_block", "layers": layers}) + b" " * pad,
+            headers={"Authorization": f"Bearer {key}", "content-type": "application/json"},
+        )
+        assert r.status_code == status, r.text
+        doc = r.json()
+        answers.append(doc["digest"] if status == 201 else doc["error"]["message"])
+        if param:
+            assert doc["error"]["param"] == param
+    assert answers[0] == answers[1]
