@@ -18,7 +18,13 @@ from typing import Any
 
 import numpy as np
 
-from steergate.shared.codecs import DTYPES, CodecError, b64decode_strict, decode_packed_bytes
+from steergate.shared.codecs import (
+    DTYPES,
+    CodecError,
+    b64decode_strict,
+    check_b64_length,
+    decode_packed_bytes,
+)
 from steergate.shared.errors import InvalidField
 
 HOOKS: tuple[str, ...] = ("pre_attn", "post_attn", "post_block")
@@ -261,6 +267,7 @@ def _parse_packed(obj: Any, shape: ModelShape | None, param: str) -> dict[int, n
     if not isinstance(data, str):
         raise InvalidField(f"{param}.data", f"'{param}.data' must be a base64 string")
     try:
+        check_b64_length(data, rows * width * DTYPES[dtype])
         flat = decode_packed_bytes(b64decode_strict(data), dtype, rows * width)
     except CodecError as exc:
         raise InvalidField(f"{param}.data", f"'{param}.data' {exc}") from exc

@@ -51,3 +51,39 @@ def test_a_wrong_length_is_refused_before_its_elements_are_read() -> None:
             {"vectors": [{"hook": "post_block", "layers": {"1": values}}]}, ModelShape(8, 4)
         )
     assert exc.value.param == P and "has length 1000001" in exc.value.message
+
+
+def _packed(data: str, dtype: str = "float32") -> dict[str, Any]:
+    packed = {"dtype": dtype, "shape": [1, 8], "layer_indices": [1], "data": data}
+    return {"vectors": [{"hook": "post_block", "packed": packed}]}
+
+
+def test_packed_data_of_the_wrong_length_is_refused_before_it_is_decoded() -> None:
+    """8 float32 values are 32 bytes, 44 base64 characters; 7.8 MB of base64 that is
+    invalid only at its end is refused on its length."""
+    with pytest.raises(InvalidField) as exc:
+        parse_steering(_packed("A" * 7_800_000 + "!"), ModelShape(8, 4))
+    assert exc.value.param == "steering.vectors[0].packed.data"
+    assert "holds 7800001 base64 characters but shape needs 32 bytes (44" in exc.value.message
+
+
+@pytest.mark.parametrize(
+    ("data", "dtype", "message"),
+    [
+        ("A" * 43 + "!", "float32", "is not valid base64"),
+        ("A" * 43 + "=", "float32", None),  # 32 bytes of zeros and padding: accepted
+        ("A" * 22 + "==", "float16", None),  # 16 bytes
+        # 24 characters, as 16 bytes need, but they decode to 18: the decoder's check.
+        ("A" * 24, "float16", "holds 18 bytes but shape needs 16 (float16)"),
+    ],
+)
+def test_packed_data_of_the_right_length_is_decoded_as_before(
+    data: str, dtype: str, message: str | None
+) -> None:
+    if message is None:
+        parsed = parse_steering(_packed(data, dtype), ModelShape(8, 4))
+        assert parsed.terms[0].layers[1].shape == (8,)  # type: ignore[union-attr]
+        return
+    with pytest.raises(InvalidField) as exc:
+        parse_steering(_packed(data, dtype), ModelShape(8, 4))
+    assert message in exc.value.message
