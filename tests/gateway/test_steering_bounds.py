@@ -233,3 +233,23 @@ def test_a_large_vector_upload_parsed_in_a_worker_is_answered_like_a_small_one(
         if param:
             assert doc["error"]["param"] == param
     assert answers[0] == answers[1]
+
+
+def test_a_dead_worker_fails_its_request_with_500_and_the_next_large_body_is_served() -> None:
+    import os
+
+    from steergate.shared.errors import APIError
+
+    async def scenario() -> None:
+        parser = BodyParser(workers=1, budget=InlineBudget())
+        try:
+            with pytest.raises(APIError) as exc:
+                await parser._call("acme", os._exit, 1)  # the worker dies mid-request
+            assert exc.value.code == "internal_error"
+            raw = _json(chat({"vectors": [term(1, HIDDEN)]})) + b" " * OFF_LOOP_BYTES
+            parsed = await parser.parse(raw, "acme", ModelShape(HIDDEN, 4))
+            assert parsed.steering is not None and parsed.body["max_tokens"] == 4
+        finally:
+            parser.close()
+
+    asyncio.run(scenario())
