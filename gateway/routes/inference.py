@@ -98,7 +98,9 @@ def _responses_body(body: dict[str, Any]) -> None:
 
 
 async def read_json_object(request: Request) -> dict[str, Any]:
-    """The body of the routes other than inference (tokenize, vector uploads)."""
+    """A JSON body for `/tokenize` and `/detokenize` (inference and vector uploads go
+    through `gateway/bodies.py`). The thread does not free the loop while orjson runs;
+    these bodies carry no steering."""
     raw = await request.body()
     if len(raw) > OFF_LOOP_BYTES:
         return await asyncio.to_thread(parse_body, raw)
