@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from steergate.gateway import keys, openapi, tracing
 from steergate.gateway.accounting import Settler
+from steergate.gateway.bodies import BodyParser
 from steergate.gateway.deps import Services
 from steergate.gateway.engine_sync import EngineSync
 from steergate.gateway.engines import EngineClient
@@ -39,6 +40,7 @@ from steergate.gateway.routes import (
     vectors,
 )
 from steergate.gateway.routes import metrics as metrics_route
+from steergate.gateway.scoping import InlineBudget
 from steergate.gateway.scripts import Scripts
 from steergate.gateway.store import Redis, connect
 from steergate.gateway.tenants import TenantStore
@@ -118,6 +120,7 @@ def build_services(
             redis_timeout_s=settings.redis_timeout_s,
         ),
         settler=settler,
+        bodies=BodyParser(settings.body_parse_workers, InlineBudget.of(settings)),
     )
 
 
@@ -147,6 +150,7 @@ def create_app(settings: GatewaySettings | None = None, *, redis: Redis | None =
             for t in tasks:
                 t.cancel()
             await svc.engines.pool.aclose()
+            svc.bodies.close()
             with contextlib.suppress(Exception):
                 await svc.redis.aclose()
 
@@ -192,9 +196,7 @@ def _install_metrics(app: FastAPI) -> None:
     """The app's own registry (``app.state.metrics``) and the middleware that observes
     every tenant request at the ASGI edge; ``GET /metrics`` is in ``ROUTERS``."""
     app.state.metrics = Metrics()
-    app.add_middleware(
-        MetricsMiddleware, metrics=app.state.metrics, on_rejection=record_rejection
-    )
+    app.add_middleware(MetricsMiddleware, metrics=app.state.metrics, on_rejection=record_rejection)
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -8,6 +8,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from steergate.gateway.accounting import Settler
+from steergate.gateway.bodies import BodyParser
 from steergate.gateway.engine_sync import EngineSync
 from steergate.gateway.engines import EngineClient
 from steergate.gateway.limits import Limiter
@@ -29,6 +30,7 @@ class Services:
     sync: EngineSync
     limiter: Limiter
     settler: Settler
+    bodies: BodyParser  # large bodies parsed in worker processes, per tenant
 
 
 def get_services(request: Request) -> Services:

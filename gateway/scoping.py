@@ -8,6 +8,9 @@ vector data runs before the request is admitted (and counted):
   conversation id, the named vectors, whether a latch is stored and how many
   (hook, layer) sites it keeps, the token estimate. Every identifier is validated in
   full here. Bounded work: at most ``MAX_TERMS`` terms and ``MAX_SITES`` sites each.
+  It also refuses steering with more inline (JSON array) numbers than an
+  :class:`InlineBudget` allows, from the arrays' lengths alone: what one request may
+  make the gateway convert is bounded before any of it is converted.
 - :func:`prepare_inference` then validates the steering values against the model,
   rewrites ids to ``<tenant>~<id>``, combines the tenant's secret cache salt with the
   client's (so one tenant can never share another's prefix cache, whatever salt it
@@ -28,6 +31,7 @@ from steergate.gateway.records import Tenant
 from steergate.shared.errors import InvalidField
 from steergate.shared.latch_spec import LatchSpec, sum_inline
 from steergate.shared.scoping import check_conversation_id, check_vector_name, scope
+from steergate.shared.settings import GatewaySettings
 from steergate.shared.steering import (
     FLOAT32_BYTES,
     MAX_TERMS,
@@ -42,6 +46,21 @@ _ANY_SCOPE = re.compile(rb"[a-z0-9-]{1,32}~(?=[A-Za-z0-9._:@-])")
 #: Layers one inline term may name (far above any model's layer count; a bound on the
 #: prescan's work, not a model check: that comes after admission).
 MAX_SITES = 1024
+
+
+@dataclass(frozen=True)
+class InlineBudget:
+    """Inline steering numbers one term / one request may carry (``STEERGATE_MAX_INLINE_
+    FLOATS_PER_*``). Larger steering travels as ``packed`` (decoded by numpy from one
+    string) or as a named vector; the defaults fit a model of hidden size 8192 at 4
+    layers per term and 8 per request."""
+
+    per_term: int = GatewaySettings.model_fields["max_inline_floats_per_term"].default
+    per_request: int = GatewaySettings.model_fields["max_inline_floats_per_request"].default
+
+    @classmethod
+    def of(cls, settings: GatewaySettings) -> InlineBudget:
+        return cls(settings.max_inline_floats_per_term, settings.max_inline_floats_per_request)
 
 
 @dataclass(frozen=True)
@@ -74,7 +93,7 @@ class Prepared:
     include_usage: bool  # the client asked for the usage chunk itself
 
 
-def prescan(body: dict[str, Any]) -> Head:
+def prescan(body: dict[str, Any], budget: InlineBudget = InlineBudget()) -> Head:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise InvalidField("stream", "'stream' must be a boolean")
@@ -97,6 +116,7 @@ def prescan(body: dict[str, Any]) -> Head:
                 "steering.vectors",
                 f"'steering.vectors' has {len(vectors)} terms; at most {MAX_TERMS} are allowed",
             )
+        inline = 0
         for i, term in enumerate(vectors):
             param = f"steering.vectors[{i}]"
             if not isinstance(term, dict):
@@ -107,6 +127,7 @@ def prescan(body: dict[str, Any]) -> Head:
                 hook = term.get("hook")
                 hook = hook if isinstance(hook, str) else repr(hook)  # malformed: named later
                 sites.update((hook, layer) for layer in _term_layers(term, param))
+                inline += _check_inline_floats(term, param, inline, budget)
         if latch and conv is None:
             raise InvalidField(
                 "steering.latch",
@@ -139,6 +160,32 @@ def _term_layers(term: dict[str, Any], param: str) -> list[Any]:
     return [_layer_key(layer) for layer in layers]
 
 
+def _check_inline_floats(
+    term: dict[str, Any], param: str, before: int, budget: InlineBudget
+) -> int:
+    """The numbers in an inline term's arrays (read from their lengths: at most
+    ``MAX_SITES`` of them, checked first), refused past the term's or the request's
+    budget; returns the count."""
+    layers = term.get("layers")
+    if not isinstance(layers, dict):
+        return 0
+    count = sum(len(v) for v in layers.values() if isinstance(v, list))
+    if count > budget.per_term or before + count > budget.per_request:
+        where = (
+            f"at most {budget.per_term:,} per term"
+            if count > budget.per_term
+            else f"at most {budget.per_request:,} per request ({before:,} in earlier terms)"
+        )
+        raise InvalidField(
+            f"{param}.layers",
+            f"'{param}.layers' holds {count:,} numbers as JSON arrays; {where} are accepted "
+            "inline. Send larger steering as 'packed' (base64, see docs/api.md) or register "
+            "it once as a named vector (PUT /v1/steering/vectors/{name}) and send its name.",
+            code="steering_too_large",
+        )
+    return count
+
+
 def _layer_key(layer: Any) -> Any:
     """``"2"`` (a ``layers`` key) and ``2`` (a ``packed`` index) are the same site."""
     if isinstance(layer, str) and layer.isascii() and layer.isdigit():
@@ -152,15 +199,18 @@ def prepare_inference(
     tenant: Tenant,
     shape: ModelShape | None,
     vector_digests: dict[str, str],
+    parsed: SteeringRequest | None = None,
 ) -> Prepared:
-    """Validate the steering values and rewrite ``body`` in place for the engine."""
+    """Validate the steering values and rewrite ``body`` in place for the engine.
+    ``parsed``: the body's steering, already validated against ``shape`` (large
+    bodies are, in a worker process: ``gateway/bodies.py``)."""
     conv = head.conversation_id
     if conv is not None:
         body["conversation_id"] = scope(tenant.id, conv)
     steering = None
     spec = None
     if body.get("steering") is not None:
-        steering = parse_steering(body["steering"], shape)
+        steering = parsed if parsed is not None else parse_steering(body["steering"], shape)
         for term in body["steering"].get("vectors", []):
             if "name" in term:
                 term["name"] = scope(tenant.id, term["name"])

@@ -31,6 +31,18 @@ def b64decode_strict(data: str) -> bytes:
         raise CodecError("is not valid base64") from exc
 
 
+def check_b64_length(data: str, nbytes: int) -> None:
+    """Strict base64 of ``nbytes`` bytes is exactly ``4 * ceil(nbytes / 3)`` characters:
+    a string of any other length is refused before a byte of it is decoded (a 7.8 MB
+    ``data`` for a shape of 8 values costs nothing)."""
+    chars = 4 * -(-nbytes // 3)
+    if len(data) != chars:
+        raise CodecError(
+            f"holds {len(data)} base64 characters but shape needs {nbytes} bytes "
+            f"({chars} characters)"
+        )
+
+
 def decode_packed_bytes(raw: bytes, dtype: str, count: int) -> np.ndarray:
     """``count`` little-endian values of ``dtype`` as float32."""
     if dtype not in DTYPES:

@@ -103,6 +103,10 @@ _CODES = (
        "`steering.vectors[].name` names a vector the caller does not have"),
     _e("latch_without_conversation_id", 400, _N, _BOTH,
        "`steering.latch: true` without a `conversation_id`"),
+    _e("steering_too_large", 400, _N, _GW,
+       "`steering` carries more inline (JSON array) numbers than one term or one request may "
+       "(`STEERGATE_MAX_INLINE_FLOATS_PER_TERM` / `_PER_REQUEST`, default 32,768 / 65,536); "
+       "`param` names the term: send it as `packed` or a named vector"),
     _e("unsupported_parameter", 400, _N, _GW,
        "a field the gateway cannot serve safely across tenants: `previous_response_id`, "
        "`background` on `/v1/responses` (use `conversation_id` and a latch instead)"),

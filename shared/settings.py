@@ -61,6 +61,25 @@ class GatewaySettings(BaseSettings):
     max_body_bytes: int = Field(
         default=8388608, ge=1024, description="Larger request bodies get 413."
     )
+    max_inline_floats_per_request: int = Field(
+        default=65536,
+        ge=1,
+        description="Numbers one request's `steering` may carry as JSON arrays (8 layers of "
+        "hidden size 8192); more: 400 steering_too_large, send `packed` or a named vector.",
+    )
+    max_inline_floats_per_term: int = Field(
+        default=32768,
+        ge=1,
+        description="Numbers one `steering.vectors[]` term may carry as JSON arrays "
+        "(4 layers of hidden size 8192).",
+    )
+    body_parse_workers: int = Field(
+        default=2,
+        ge=0,
+        le=64,
+        description="Worker processes that parse and validate request bodies over 256 KiB, "
+        "off the process serving other tenants; 0: on its event loop (docs/gateway.md).",
+    )
     host: str = Field(default="127.0.0.1", description="Address the gateway binds.")
     port: int = Field(default=8080, description="Port the gateway binds.")
     rate_limit_fail_open: bool = Field(

@@ -25,6 +25,7 @@ from starlette.routing import request_response
 
 from steergate.gateway.accounting import Outcome
 from steergate.gateway.auth import caller_key, get_tenant
+from steergate.gateway.bodies import OFF_LOOP_BYTES, Parsed, parse_body
 from steergate.gateway.deps import Services, get_services
 from steergate.gateway.limits import Admission
 from steergate.gateway.proxy import Turn
@@ -40,7 +41,6 @@ from steergate.gateway.upstream import (
 from steergate.shared import engine_api
 from steergate.shared.engine_api import LATCH_HEADER
 from steergate.shared.errors import APIError, InvalidField
-from steergate.shared.jsondepth import check_json_depth
 
 log = logging.getLogger("steergate.gateway.inference")
 
@@ -98,33 +98,30 @@ def _responses_body(body: dict[str, Any]) -> None:
 
 
 async def read_json_object(request: Request) -> dict[str, Any]:
+    """A JSON body for `/tokenize` and `/detokenize` (inference and vector uploads go
+    through `gateway/bodies.py`). The thread does not free the loop while orjson runs;
+    these bodies carry no steering."""
     raw = await request.body()
-    check_json_depth(raw)  # 1,000-deep JSON parses, then 500s in orjson.dumps
-    try:
-        # The only work before admission that grows with the body (bounded by the body
-        # limit): in a worker thread when large, so the event loop keeps serving others.
-        body = (
-            await asyncio.to_thread(orjson.loads, raw)
-            if len(raw) > OFF_LOOP_BYTES
-            else (orjson.loads(raw))
-        )
-    except orjson.JSONDecodeError as exc:
-        raise InvalidField("body", "The request body is not valid JSON.", "invalid_json") from exc
-    if not isinstance(body, dict):
-        raise InvalidField("body", "The request body must be a JSON object.", "invalid_json")
-    return body
+    if len(raw) > OFF_LOOP_BYTES:
+        return await asyncio.to_thread(parse_body, raw)
+    return parse_body(raw)
 
 
 async def proxy_inference(request: Request, path: str) -> Response:
     tenant = await get_tenant(request)
     svc = get_services(request)
-    body = await read_json_object(request)
+    shape = svc.engines.shape()
+    raw = await request.body()
+    # A large body is parsed and its steering validated in a worker process, after this
+    # tenant's earlier large bodies (gateway/bodies.py): never on this event loop.
+    parsed = await svc.bodies.parse(raw, tenant.id, shape) if len(raw) > OFF_LOOP_BYTES else None
+    body = parsed.body if parsed else parse_body(raw)
     is_responses = path == engine_api.RESPONSES
     if is_responses:
         _responses_body(body)
     client_stream_options = "stream_options" in body
-    head = prescan(body)  # ids validated in full; nothing proportional to vector data yet
-    shape = svc.engines.shape()
+    # Ids validated in full and the inline budget checked; no vector data converted yet.
+    head = prescan(body, svc.bodies.budget)
     adm = await svc.limiter.admit(
         tenant,
         tokens=head.tokens,
@@ -137,7 +134,7 @@ async def proxy_inference(request: Request, path: str) -> Response:
     )
     try:
         _check_names(head, adm)
-        prep = await _prepare(body, head, tenant, shape, adm, request)
+        prep = _prepare(body, head, tenant, shape, adm, parsed)
         if is_responses and not client_stream_options:
             # The Responses API has no stream_options: its final event carries usage.
             body.pop("stream_options", None)
@@ -169,25 +166,19 @@ def _check_names(head: Head, adm: Admission) -> None:
             )
 
 
-#: Bodies larger than this are validated in a worker thread: converting megabytes of
-#: vector data must not hold the event loop (every other tenant's requests).
-OFF_LOOP_BYTES = 256 * 1024
-
-
-async def _prepare(
+def _prepare(
     body: dict[str, Any],
     head: Head,
     tenant: Any,
     shape: Any,
     adm: Admission,
-    request: Request,
+    parsed: Parsed | None,
 ) -> Prepared:
-    size = int(request.headers.get("content-length") or 0)
-    if size > OFF_LOOP_BYTES:
-        return await asyncio.to_thread(
-            prepare_inference, body, head, tenant, shape, adm.vector_digests
-        )
-    return prepare_inference(body, head, tenant, shape, adm.vector_digests)
+    """On the event loop: a small body's steering is bounded by the inline budget
+    (a few ms to validate at most); a large one's was validated in a worker, against
+    this shape unless the engines changed meanwhile (then it is validated again here)."""
+    steering = parsed.steering if parsed is not None and parsed.shape == shape else None
+    return prepare_inference(body, head, tenant, shape, adm.vector_digests, steering)
 
 
 def _settle(

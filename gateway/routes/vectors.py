@@ -22,8 +22,8 @@ from fastapi import APIRouter, Request, Response
 from steergate.gateway import keys
 from steergate.gateway.accounting import Outcome
 from steergate.gateway.auth import TenantDep, caller_key
+from steergate.gateway.bodies import OFF_LOOP_BYTES, parse_body
 from steergate.gateway.deps import Services, ServicesDep
-from steergate.gateway.routes.inference import read_json_object
 from steergate.gateway.store import store_errors
 from steergate.shared.codecs import CodecError, decode_gguf_off_loop, encode_packed, vector_digest
 from steergate.shared.errors import APIError, InvalidField
@@ -73,7 +73,11 @@ async def _put_vector(
         hook = "post_block"
         check_vectors(layers, shape, "body")
     else:
-        hook, layers, description = parse_vector_body(await read_json_object(request), shape)
+        raw = await request.body()
+        if len(raw) > OFF_LOOP_BYTES:  # in a worker process, after the tenant's others
+            hook, layers, description = await svc.bodies.parse_vector(raw, tenant_id, shape)
+        else:
+            hook, layers, description = parse_vector_body(parse_body(raw), shape)
     indices = sorted(layers)
     matrix = np.stack([np.asarray(layers[i], dtype=np.float32) for i in indices])
     nbytes = int(matrix.size * 4)
