@@ -107,9 +107,12 @@ def _source_shim() -> str:
     return str(shim)
 
 
-def installed_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment of a started command: this one's, minus PYTHONPATH (see above)."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+def installed_env(
+    extra: Mapping[str, str] | None = None, base: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The environment of a started command: ``base`` (default: this process's) minus
+    PYTHONPATH (see above), plus ``extra``."""
+    env = {k: v for k, v in (os.environ if base is None else base).items() if k != "PYTHONPATH"}
     if not _installed_is_this_checkout():
         env["PYTHONPATH"] = _source_shim()
     env.update(extra or {})
