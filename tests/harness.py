@@ -120,20 +120,29 @@ def installed_env(
 
 
 def steergate_popen(
-    argv: Sequence[str], env: Mapping[str, str] | None = None, **kw: object
+    argv: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    *,
+    base_env: Mapping[str, str] | None = None,
+    **kw: object,
 ) -> subprocess.Popen:
-    """``steergate <argv>`` as installed, from :func:`run_dir` (``env``: added settings)."""
+    """``steergate <argv>`` as installed, from :func:`run_dir`; ``env``, ``base_env``:
+    :func:`installed_env`'s ``extra`` and ``base``; ``kw``: ``subprocess.Popen``'s."""
     return subprocess.Popen(  # type: ignore[call-overload, no-any-return]
-        [steergate_bin(), *argv], cwd=run_dir(), env=installed_env(env), **kw
+        [steergate_bin(), *argv], cwd=run_dir(), env=installed_env(env, base_env), **kw
     )
 
 
 def steergate_run(
-    argv: Sequence[str], env: Mapping[str, str] | None = None, **kw: object
+    argv: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    *,
+    base_env: Mapping[str, str] | None = None,
+    **kw: object,
 ) -> subprocess.CompletedProcess:
     """:func:`steergate_popen`, run to completion (``subprocess.run``'s keywords)."""
     return subprocess.run(  # type: ignore[call-overload, no-any-return]
-        [steergate_bin(), *argv], cwd=run_dir(), env=installed_env(env), **kw
+        [steergate_bin(), *argv], cwd=run_dir(), env=installed_env(env, base_env), **kw
     )
 
 
