@@ -11,7 +11,6 @@ import re
 import shlex
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,7 +22,7 @@ import orjson
 import psutil
 import pytest
 
-from tests.harness import CACHE, ROOT, free_port, tiny_model_dir
+from tests.harness import CACHE, free_port, steergate_popen, tiny_model_dir
 
 pytestmark = pytest.mark.engine
 
@@ -71,10 +70,10 @@ def _start(tmp: Path) -> Up:
     env["STEERGATE_HOME"] = str(home)
     port = free_port()
     stderr_path = tmp / "up.stderr"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "steergate.cli", "up", "--port", str(port)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=open(stderr_path, "w"), text=True,
-    )
+    proc = steergate_popen(
+        ["up", "--port", str(port)], base_env=env,
+        stdout=subprocess.PIPE, stderr=open(stderr_path, "w"), text=True,
+    )  # fmt: skip
     handle = Up(proc, port, stderr_path)
 
     def read() -> None:
