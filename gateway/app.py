@@ -29,6 +29,7 @@ from steergate.gateway.middleware import BodyLimitMiddleware
 from steergate.gateway.routes import (
     admin,
     dashboard,
+    from_examples,
     health,
     inference,
     latches,
@@ -56,6 +57,7 @@ ROUTERS = (
     inference,
     models,
     tokenize,
+    from_examples,
     vectors,
     latches,
     health,

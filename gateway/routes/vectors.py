@@ -34,6 +34,8 @@ router = APIRouter(tags=["vectors"])
 
 #: Metadata fields a client sees (the rest of the stored record is ours).
 PUBLIC_FIELDS = ("name", "digest", "bytes", "layers", "hook", "description", "updated_at")
+#: Shown only when present: a vector made by ``from-examples`` (routes/from_examples.py).
+MADE_FIELDS = ("provenance", "report")
 
 
 def _json(doc: Any, status: int = 200) -> Response:
@@ -74,6 +76,25 @@ async def _put_vector(
         check_vectors(layers, shape, "body")
     else:
         hook, layers, description = parse_vector_body(await read_json_object(request), shape)
+    meta, prev = await store_vector(svc, tenant_id, lim, name, hook, layers, description)
+    out = {k: meta[k] for k in ("name", "digest", "bytes", "layers", "hook")}
+    return _json(out, 200 if prev else 201)
+
+
+async def store_vector(
+    svc: Services,
+    tenant_id: str,
+    lim: Any,
+    name: str,
+    hook: str,
+    layers: dict[int, np.ndarray],
+    description: str | None,
+    extra: dict[str, Any] | None = None,
+) -> tuple[dict[str, Any], bool]:
+    """Write a validated vector to Redis (the tenant's quota checked in the same
+    script), then offer it to every engine. ``extra``: more metadata (a made vector's
+    ``provenance`` and ``report``). Returns the stored metadata and whether it
+    replaced a vector of that name."""
     indices = sorted(layers)
     matrix = np.stack([np.asarray(layers[i], dtype=np.float32) for i in indices])
     nbytes = int(matrix.size * 4)
@@ -85,6 +106,7 @@ async def _put_vector(
         "hook": hook,
         "description": description,
         "updated_at": time.time(),
+        **(extra or {}),
     }
     data: dict[str, Any] = {"hook": hook, "packed": encode_packed(matrix, indices)}
     if description is not None:
@@ -105,8 +127,7 @@ async def _put_vector(
         )
     # Stored: the tenant's vector exists from here on, whatever the engines do.
     await svc.engines.put_vector_everywhere(tenant_id, name, body)
-    out = {k: meta[k] for k in ("name", "digest", "bytes", "layers", "hook")}
-    return _json(out, 200 if prev else 201)
+    return meta, bool(prev)
 
 
 @router.get("/v1/steering/vectors")
@@ -136,6 +157,7 @@ async def get_vector(
 def _public(meta: dict[str, Any], data: str | None) -> dict[str, Any]:
     """Metadata, plus ``packed`` (exact float32, accepted back by a PUT) when asked."""
     out = {k: meta.get(k) for k in PUBLIC_FIELDS}
+    out.update({k: meta[k] for k in MADE_FIELDS if k in meta})
     if data is not None:
         out["packed"] = orjson.loads(data)["packed"]
     return out

@@ -34,7 +34,7 @@ from steergate.engine.payload import XARGS_KEY, decode_payload
 from steergate.shared import engine_api
 from steergate.shared.settings import EngineSettings
 from steergate.shared.steering import ModelShape
-from tests.gateway import stub_vllm
+from tests.gateway import stub_capture, stub_vllm
 
 HIDDEN, LAYERS = 8, 4
 SHAPE = ModelShape(HIDDEN, LAYERS)
@@ -133,6 +133,8 @@ class StubEngine:
             if body.get("fake_raise"):  # a bug in the engine: nothing handles it
                 raise RuntimeError("stub engine bug")
             logging.getLogger("steergate.stub").info("serving %s", request.url.path)
+            if body.get("capture") is not None and not chat:
+                return JSONResponse(stub_capture.answer(body, HIDDEN))
             text = answer_for(body)
             if not body.get("stream"):
                 return JSONResponse(_completion(body, chat, text))
