@@ -16,6 +16,7 @@ from tests.gateway.ops_env import Ops, ops  # noqa: F401 - fixture
 ACTIONS = {
     "tenant": ("create", "list", "show", "update", "delete"),
     "key": ("create", "list", "revoke"),
+    "vector": ("from-examples",),
 }
 
 
