@@ -63,32 +63,6 @@ def test_stop_process_group_leaves_no_member_alive_even_one_ignoring_sigterm() -
     assert proc.returncode is not None
 
 
-def test_ensure_tiny_model_generates_once_then_reuses(tmp_path: Path) -> None:
-    calls: list[Path] = []
-
-    def fake_generate(path: Path) -> None:
-        calls.append(path)
-        path.mkdir(parents=True)
-        (path / "config.json").write_text("{}")
-
-    target = tmp_path / "home" / "tiny-model"
-    assert up.ensure_tiny_model(target, fake_generate) == target
-    assert up.ensure_tiny_model(target, fake_generate) == target
-    assert len(calls) == 1 and calls[0] != target  # written aside, then renamed into place
-    assert (target / "config.json").exists()
-    assert [p.name for p in target.parent.iterdir()] == ["tiny-model"]
-
-
-def test_ensure_tiny_model_leaves_nothing_when_generation_fails(tmp_path: Path) -> None:
-    def broken(path: Path) -> None:
-        path.mkdir(parents=True)
-        raise subprocess.CalledProcessError(1, "tiny-model")
-
-    with pytest.raises(subprocess.CalledProcessError):
-        up.ensure_tiny_model(tmp_path / "tiny-model", broken)
-    assert list(tmp_path.iterdir()) == []
-
-
 def test_secrets_come_from_env_when_set_and_are_random_otherwise(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from steergate.engine.worker import op
+from steergate.engine.worker import capture, op
 from steergate.engine.worker.tables import SteeringTables
 
 _WRAPPED = "_steergate_wrapped"
@@ -48,7 +48,8 @@ def wrap_layers(layers: nn.ModuleList, present: list[int], tables: SteeringTable
         if getattr(layer, _WRAPPED, False):
             continue
         layer.forward = _wrap_layer(
-            layer.forward, tables.tables[("pre_attn", i)], tables.tables[("post_block", i)], index
+            layer.forward, tables.tables[("pre_attn", i)], tables.tables[("post_block", i)], index,
+            i,
         )
         layer.self_attn.forward = _wrap_attn(
             layer.self_attn.forward, tables.tables[("post_attn", i)], index
@@ -57,13 +58,20 @@ def wrap_layers(layers: nn.ModuleList, present: list[int], tables: SteeringTable
 
 
 def _wrap_layer(
-    forward: Callable[..., Any], pre: torch.Tensor, post: torch.Tensor, index: torch.Tensor
+    forward: Callable[..., Any], pre: torch.Tensor, post: torch.Tensor, index: torch.Tensor,
+    layer: int,
 ) -> Callable[..., Any]:
     def steered_layer_forward(positions: torch.Tensor, hidden_states: torch.Tensor, *args: Any,
                               **kwargs: Any) -> Any:
         op.apply(hidden_states, pre, index)
+        # Capture reads each site after its steering (engine/worker/capture.py); the
+        # layer returns (hidden, residual) with residual = the stream after attention.
+        residual = args[0] if args else kwargs.get("residual")
+        capture.read(hidden_states, residual, "pre_attn", layer)
         out = forward(positions, hidden_states, *args, **kwargs)
+        capture.read(out[1], None, "post_attn", layer)
         op.apply(out[0], post, index)
+        capture.read(out[0], out[1], "post_block", layer)
         return out
 
     return steered_layer_forward
