@@ -1,8 +1,10 @@
-"""Activation capture for the stub engine (``stub_engine.py``): a deterministic fake
-activation per (prompt, hook, layer, reduce), in the answer shape of the capture
-contract (``shared/capture.py``), so the gateway's ``from-examples`` route can be
-tested end to end without a model. A prompt mentioning "ocean" is pushed along the
-first axis by ``layer + 1``: a planted concept direction."""
+"""Activation capture for the stub engine (``stub_engine.py``), standing in for the
+workers only: the REAL endpoint plugin takes the ``capture`` field, puts its payload
+in ``vllm_xargs`` and builds the answer from the worker files; this module writes
+those files (``engine/capture_io.py``'s format) as a worker would, with a
+deterministic fake activation per (prompt, hook, layer, reduce). A prompt mentioning
+"ocean" is pushed along the first axis by ``layer + 1``: a planted concept direction,
+so ``from-examples`` can be tested end to end without a model."""
 
 from __future__ import annotations
 
@@ -11,10 +13,12 @@ from typing import Any
 
 import numpy as np
 
-from steergate.shared.capture import encode_site
+from steergate.engine import capture_io
 
 
-def fake_activation(prompt: str | list[int], hook: str, layer: int, reduce: str, hidden: int):
+def fake_activation(
+    prompt: str | list[int], hook: str, layer: int, reduce: str, hidden: int
+) -> np.ndarray:
     text = prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
     seed = hashlib.sha256(f"{text}\0{hook}\0{layer}\0{reduce}".encode()).digest()
     row = np.random.default_rng(int.from_bytes(seed[:8], "little")).normal(size=hidden)
@@ -23,21 +27,42 @@ def fake_activation(prompt: str | list[int], hook: str, layer: int, reduce: str,
     return row.astype(np.float32)
 
 
-def answer(body: dict[str, Any], hidden: int) -> dict[str, Any]:
-    prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
-    if prompts and isinstance(prompts[0], int):
-        prompts = [prompts]
-    spec = body["capture"]
-    reduce = spec.get("reduce", "mean")
-    sites = [
-        encode_site(
-            i, s["hook"], layer, fake_activation(p, s["hook"], layer, reduce, hidden)[None, :]
-        )
-        for i, p in enumerate(prompts)
-        for s in spec["sites"]
-        for layer in s["layers"]
-    ]
-    n = len(prompts)
+def prompts_of(body: dict[str, Any]) -> list[str | list[int]]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return list(prompt)
+    return [prompt]  # type: ignore[list-item]
+
+
+def write_worker_files(body: dict[str, Any], hidden: int) -> int:
+    """What the workers write for a /v1/completions request carrying a capture
+    payload: one file per prompt, one record (a one-row "prompt"). Returns the number
+    of prompts (0 when the request captures nothing)."""
+    raw = (body.get("vllm_xargs") or {}).get(capture_io.XARGS_KEY)
+    if not raw:
+        return 0
+    payload = capture_io.decode_payload(raw)
+    directory = capture_io.ensure_dir(capture_io.capture_dir())
+    prompts = prompts_of(body)
+    for i, prompt in enumerate(prompts):
+        req_id = f"cmpl-stub-{i}-0123abcd"  # vLLM's shape: <base>-<prompt i>-<8 hex>
+        header = {
+            "req_id": req_id,
+            "sites": [[h, layer] for h, layer in payload.sites],
+            "reduce": payload.reduce,
+            "hidden": hidden,
+        }
+        dtype = np.float64 if payload.reduce == "mean" else np.float32  # a sum, or rows
+        rows = [
+            fake_activation(prompt, h, layer, payload.reduce, hidden).astype(dtype)
+            for h, layer in payload.sites
+        ]
+        path = directory / capture_io.file_name(payload.cid, req_id, 0)
+        capture_io.append_step(path, header, 0, 1, rows)
+    return len(prompts)
+
+
+def completion(body: dict[str, Any], n: int) -> dict[str, Any]:
     return {
         "id": "cmpl-capture",
         "object": "text_completion",
@@ -45,5 +70,4 @@ def answer(body: dict[str, Any], hidden: int) -> dict[str, Any]:
         "model": body.get("model", "stub"),
         "choices": [{"index": i, "text": "x", "finish_reason": "length"} for i in range(n)],
         "usage": {"prompt_tokens": 5 * n, "completion_tokens": n, "total_tokens": 6 * n},
-        "capture": {"dtype": "float32", "tokens": "prompt", "reduce": reduce, "sites": sites},
     }

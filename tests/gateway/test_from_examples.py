@@ -108,7 +108,7 @@ def test_layers_all_position_last_normalize_and_messages(
     assert r.json()["layers"] == list(range(LAYERS))
     for vec in stored(gateway, key, "sea").values():
         assert np.linalg.norm(vec) == pytest.approx(1.0, abs=1e-5)
-    sent = [b for b in fake_engine.state.seen if b.get("capture")]
+    sent = [b for b in fake_engine.state.requests if b.get("capture")]
     assert {b["capture"]["reduce"] for b in sent} == {"last"}
     # The messages examples went to the engine as token ids (templated by /tokenize).
     assert any(isinstance(b["prompt"][0], list) for b in sent)
@@ -210,7 +210,7 @@ def test_hostile_bodies_get_400_naming_the_field_before_any_work(
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert (err["param"], err["code"]) == (param, code)
-    assert not [b for b in fake_engine.state.seen if b.get("capture")]  # no engine work
+    assert not [b for b in fake_engine.state.requests if b.get("capture")]  # no engine work
     assert get(gateway, key, "/v1/steering/vectors").json()["data"] == []
 
 
