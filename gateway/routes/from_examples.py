@@ -34,7 +34,7 @@ from steergate.gateway.deps import Services, ServicesDep
 from steergate.gateway.examples_spec import Example, ExamplesSpec, parse_examples_body
 from steergate.gateway.records import Tenant
 from steergate.gateway.routes.inference import read_json_object
-from steergate.gateway.routes.vectors import store_vector
+from steergate.gateway.routes.vectors import precheck_quota, store_vector
 from steergate.gateway.scoping import combined_salt
 from steergate.gateway.upstream import EngineUnreachable, UpstreamResponse
 from steergate.shared import engine_api
@@ -85,6 +85,8 @@ async def from_examples(
     body = await read_json_object(request)
     shape = await svc.engines.known_shape()
     spec = parse_examples_body(body, shape)  # every 400 before any work
+    nbytes = 4 * shape.hidden_size * len(spec.layers)
+    await precheck_quota(svc, tenant.id, tenant.limits, name, nbytes)  # no tokens spent in vain
     adm = await svc.limiter.admit(
         tenant,
         tokens=spec.token_estimate,

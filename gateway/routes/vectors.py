@@ -118,16 +118,36 @@ async def store_vector(
             args=[name, orjson.dumps(meta), nbytes, lim.vector_count, lim.vector_bytes, body],
         )
     if int(status):
-        raise APIError(
-            "vector_quota_exceeded",
-            f"Storing this vector would exceed the tenant's vector quota "
-            f"({lim.vector_count} vectors, {lim.vector_bytes} bytes).",
-            # Waiting does not help: no Retry-After, and the SDKs' retries are told so.
-            headers={"x-should-retry": "false"},
-        )
+        raise _over_quota(lim)
     # Stored: the tenant's vector exists from here on, whatever the engines do.
     await svc.engines.put_vector_everywhere(tenant_id, name, body)
     return meta, bool(prev)
+
+
+def _over_quota(lim: Any) -> APIError:
+    return APIError(
+        "vector_quota_exceeded",
+        f"Storing this vector would exceed the tenant's vector quota "
+        f"({lim.vector_count} vectors, {lim.vector_bytes} bytes).",
+        # Waiting does not help: no Retry-After, and the SDKs' retries are told so.
+        headers={"x-should-retry": "false"},
+    )
+
+
+async def precheck_quota(svc: Services, tenant_id: str, lim: Any, name: str, nbytes: int) -> None:
+    """Refuse up front a vector that the quota would refuse now (the same rule as
+    put_vector.lua, which still decides atomically when storing): for work that costs
+    tokens before the store, e.g. ``from-examples``."""
+    async with store_errors():
+        rows = await svc.redis.hgetall(keys.vectors(tenant_id))
+    others = [orjson.loads(v) for k, v in rows.items() if _text(k) != name]
+    total = sum(int(m.get("bytes") or 0) for m in others)
+    if len(others) + 1 > lim.vector_count or total + nbytes > lim.vector_bytes:
+        raise _over_quota(lim)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 @router.get("/v1/steering/vectors")

@@ -156,11 +156,17 @@ def test_tokens_are_admitted_and_settled(gateway: ServerThread, redis_url: str) 
     assert r.status_code == 429
 
 
-def test_vector_quota_applies(gateway: ServerThread, redis_url: str) -> None:
+def test_vector_quota_applies_before_any_tokens_are_spent(
+    gateway: ServerThread, fake_engine: FakeEngine, redis_url: str
+) -> None:
     key = make_tenant(redis_url, "acme", vector_count=1)
     assert make(gateway, key, "a", {"positive": OCEAN, "negative": CITY}).status_code == 201
+    sent = len(fake_engine.state.requests)
     r = make(gateway, key, "b", {"positive": OCEAN, "negative": CITY})
     assert r.status_code == 429 and r.json()["error"]["code"] == "vector_quota_exceeded"
+    assert len(fake_engine.state.requests) == sent  # refused before the engine was asked
+    # Replacing the one it has is within quota.
+    assert make(gateway, key, "a", {"positive": CITY, "negative": OCEAN}).status_code == 200
 
 
 HOSTILE: list[tuple[dict[str, Any], str, str]] = [
