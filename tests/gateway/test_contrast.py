@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from steergate.gateway.contrast import ContrastError, compute, separation
+from tests.gateway.contrast_reference import loo_reference
 
 
 def _classes(p: int, n: int, h: int = 16, gap: float = 3.0, seed: int = 0):
@@ -16,27 +17,6 @@ def _classes(p: int, n: int, h: int = 16, gap: float = 3.0, seed: int = 0):
     pos = rng.normal(size=(p, h)) + gap / 2 * direction
     neg = rng.normal(size=(n, h)) - gap / 2 * direction
     return pos, neg, direction
-
-
-def _loo_reference(pos: np.ndarray, neg: np.ndarray, method: str) -> float:
-    """For each example: rebuild the vector without it (pca: without its pair) with
-    plain loops, then ask which side of the midpoint it falls on."""
-    right = 0
-    for cls, rows in ((1, pos), (-1, neg)):
-        for i in range(len(rows)):
-            if method == "pca":
-                keep = [j for j in range(len(pos)) if j != i]
-                p_wo, n_wo = pos[keep], neg[keep]
-                _, _, vt = np.linalg.svd(p_wo - n_wo)
-                vec = vt[0] if (p_wo.mean(0) - n_wo.mean(0)) @ vt[0] > 0 else -vt[0]
-            else:
-                others = np.delete(rows, i, axis=0)
-                p_wo = others if cls == 1 else pos
-                n_wo = others if cls == -1 else neg
-                vec = p_wo.mean(0) - n_wo.mean(0)
-            mid = (p_wo.mean(0) + n_wo.mean(0)) / 2
-            right += int(cls * (rows[i] - mid) @ vec > 0)
-    return right / (len(pos) + len(neg))
 
 
 def test_mean_difference_equals_an_independent_mean_difference() -> None:
@@ -92,7 +72,7 @@ def test_leave_one_out_accuracy_matches_a_loop(method: str, gap: float) -> None:
     counts = (12, 12) if method == "pca" else (12, 7)
     pos, neg, _ = _classes(*counts, gap=gap, seed=3)
     out = compute(pos, neg, method)
-    assert out.accuracy == pytest.approx(_loo_reference(pos, neg, method))
+    assert out.accuracy == pytest.approx(loo_reference(pos, neg, method))
 
 
 def test_accuracy_is_low_on_noise_and_perfect_on_separated_classes() -> None:
