@@ -283,9 +283,9 @@ class Metrics:
             self._child("completion_tokens", (tenant_id,)).inc(completion)
 
     def observe_capture(self, tenant_id: str, nbytes: int) -> None:
-        """An answer's ``capture`` object: its float32 bytes."""
-        if nbytes > 0:
-            self._child("capture_bytes", (tenant_id,)).inc(nbytes)
+        """An answer's ``capture`` object: its float32 bytes (a zero-row capture still
+        makes the tenant's series appear)."""
+        self._child("capture_bytes", (tenant_id,)).inc(max(0, nbytes))
 
     def observe_rejection(self, tenant_id: str, cause: str) -> None:
         """One 429; ``cause`` is its error code (``rate_limit_exceeded``, ...)."""
