@@ -377,6 +377,16 @@ def quick_start(*, gateway_url: str, admin_key: str, demo: Demo, store: str, eng
 # ----------------------------------------------------------------------------- main
 
 
+def default_model_engine_args(engine_args: list[str]) -> list[str]:
+    """The default model is served in float32 unless the user chose a dtype: it is
+    small enough for float32 on CPU, and it is then the same arithmetic as the
+    float32 ``transformers`` model that vectors are made and checked with (vLLM's
+    ``auto`` would serve a float32 checkpoint as bfloat16 on x86 CPUs)."""
+    if any(a == "--dtype" or a.startswith("--dtype=") for a in engine_args):
+        return engine_args
+    return ["--dtype", "float32", *engine_args]
+
+
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(
         prog="steergate up",
@@ -478,6 +488,7 @@ def main(argv: list[str]) -> int:
     try:
         if default_model:
             model = str(ensure_real_model())  # prints its progress on the first run only
+            engine_args = default_model_engine_args(engine_args)
         else:
             model = args.model
         store = _log_store(env.redis_url)

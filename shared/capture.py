@@ -265,3 +265,35 @@ def _reject_unknown(obj: Mapping[str, Any], allowed: set[str], param: str) -> No
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+def count_choices(body: Mapping[str, Any], completions: bool) -> int:
+    """Choices an answer will have: prompts (a ``/v1/completions`` list of texts or
+    of token-id lists) times ``n``."""
+    n = body.get("n", 1)
+    n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+    prompt = body.get("prompt") if completions else None
+    prompts = 1
+    if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
+        prompts = len(prompt)
+    return prompts * n
+
+
+def check_up_front(
+    spec: CaptureSpec,
+    body: Mapping[str, Any],
+    completions: bool,
+    hidden_size: int,
+    tokens_estimate: int,
+    limits: CaptureLimits | None = None,
+) -> int:
+    """The gateway's byte bound, before admission: exact for ``mean``/``last`` (one
+    row per choice and site); for ``none`` the rows are bounded by the admission's
+    token estimate (prompt estimate + completion budget x n), the engine then checks
+    the exact bound once it knows the model's context length."""
+    choices = count_choices(body, completions)
+    if spec.reduce == "none":
+        rows = [max(1, tokens_estimate)]
+    else:
+        rows = [1] * choices
+    return check_capture_bytes(spec, hidden_size, rows, limits)

@@ -126,3 +126,11 @@ def test_up_refuses_a_taken_port_before_starting_the_engine(tmp_path: Path) -> N
     assert f"127.0.0.1:{port} is in use" in out.stderr
     assert time.monotonic() - started < 30
     assert list(tmp_path.iterdir()) == []  # no model generated, no engine log
+
+
+def test_the_default_model_is_served_in_float32_unless_a_dtype_is_given() -> None:
+    assert up.default_model_engine_args([]) == ["--dtype", "float32"]
+    assert up.default_model_engine_args(["--max-model-len", "4096"]) == [
+        "--dtype", "float32", "--max-model-len", "4096"]
+    assert up.default_model_engine_args(["--dtype", "bfloat16"]) == ["--dtype", "bfloat16"]
+    assert up.default_model_engine_args(["--dtype=half"]) == ["--dtype=half"]

@@ -102,11 +102,12 @@ def capture_support(vllm_config: Any) -> CaptureSupport:
     """Capture's op body runs on the host every forward; a CUDA graph replays only
     what was recorded, so an engine that replays graphs cannot capture (decided here,
     answered as a 400 ``not_implemented`` naming ``capture``)."""
-    max_len = int(vllm_config.model_config.max_model_len)
-    device = str(getattr(vllm_config.device_config, "device_type", "") or "")
-    mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
+    model_config = vllm_config.model_config
+    max_len = int(getattr(model_config, "max_model_len", 0) or 2048)
+    device = str(getattr(getattr(vllm_config, "device_config", None), "device_type", "") or "")
+    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
     graphs = mode is not None and getattr(mode, "name", "NONE") != "NONE"
-    if device != "cpu" and graphs and not vllm_config.model_config.enforce_eager:
+    if device != "cpu" and graphs and not getattr(model_config, "enforce_eager", False):
         return CaptureSupport(max_len, "this engine replays CUDA graphs; serve it with "
                               "--enforce-eager to capture")
     return CaptureSupport(max_len)

@@ -310,3 +310,24 @@ def rel_err(got: np.ndarray, want: np.ndarray) -> float:
     if want.size == 0:
         return 0.0
     return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30))
+
+
+def check_capture_matches_reference(engine: Any, model: Path) -> None:
+    """A steered request's capture (every hook, tokens all, reduce none) equals the
+    reference: on a multi-rank engine exactly one rank reported each row."""
+    import httpx
+
+    from steergate.shared.capture import decode_capture
+
+    sites = [(h, layer) for h in ("pre_attn", "post_attn", "post_block") for layer in (0, 3)]
+    body = completion_body(str(engine.model), PROMPT, 4,
+                           steering=steering_field(MULTIRANK_SITES),
+                           capture=capture_field(sites, "all", "none"))
+    r = httpx.post(f"{engine.url}/v1/completions", json=body, headers=engine.headers,
+                   timeout=300)
+    assert r.status_code == 200, r.text
+    generated = parse_completion(r.json()).tokens
+    stream = reference_stream(model, PROMPT + generated[:-1], MULTIRANK_SITES, sites)
+    got = decode_capture(r.json()["capture"])
+    for site in sites:
+        assert rel_err(got[(0, *site)], stream[site]) <= 1e-4, site
