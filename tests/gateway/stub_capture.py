@@ -4,7 +4,8 @@ in ``vllm_xargs`` and builds the answer from the worker files; this module write
 those files (``engine/capture_io.py``'s format) as a worker would, with a
 deterministic fake activation per (prompt, hook, layer, reduce). A prompt mentioning
 "ocean" is pushed along the first axis by ``layer + 1``: a planted concept direction,
-so ``from-examples`` can be tested end to end without a model."""
+so ``from-examples`` can be tested end to end without a model. Only ``tokens:
+"prompt"`` captures are faked (one row per prompt)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,10 @@ def write_worker_files(body: dict[str, Any], hidden: int) -> int:
     if not raw:
         return 0
     payload = capture_io.decode_payload(raw)
+    if payload.tokens != "prompt":
+        # The stub generates nothing real: only a prompt capture (what from-examples
+        # asks for) is faked; any other leaves every site with zero rows.
+        return 0
     directory = capture_io.ensure_dir(capture_io.capture_dir())
     prompts = prompts_of(body)
     for i, prompt in enumerate(prompts):
