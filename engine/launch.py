@@ -19,7 +19,11 @@ DEFAULT_PORT = 8100
 DEFAULT_CPU_KVCACHE_GIB = "1"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
-USAGE = "usage: steergate engine --model PATH_OR_HF_ID [--port 8100] [vLLM args...]"
+USAGE = ("usage: steergate engine --model PATH_OR_HF_ID [--port 8100] [--no-steering] "
+         "[vLLM args...]")
+#: Serve the model unsteered (sets STEERGATE_STEERING=off): the only way to serve an
+#: architecture without a verified steering convention (docs/steering-op.md).
+NO_STEERING = "--no-steering"
 
 
 def _has_flag(args: list[str], flag: str) -> bool:
@@ -79,12 +83,16 @@ def main(argv: list[str] | None = None) -> int:
         print("steergate engine: STEERGATE_ENGINE_TOKEN is not set; refusing to start an "
               "engine that anyone on the network could call", file=sys.stderr)
         return 2
+    env = build_env(os.environ)
+    if NO_STEERING in args:
+        args = [a for a in args if a != NO_STEERING]
+        env["STEERGATE_STEERING"] = "off"
     try:
         cmd = build_command(args)
     except ValueError as exc:
         print(f"steergate engine: {exc}\n{USAGE}", file=sys.stderr)
         return 2
-    os.execvpe(cmd[0], cmd, build_env(os.environ))
+    os.execvpe(cmd[0], cmd, env)
     return 0  # pragma: no cover - exec does not return
 
 

@@ -23,7 +23,7 @@ from fastapi import FastAPI
 from steergate.engine.http.auth import EngineTokenMiddleware
 from steergate.engine.http.rewrite import SteeringRewriteMiddleware
 from steergate.engine.http.routes import build_router
-from steergate.engine.http.runtime import RuntimeRef, SteeringRuntime
+from steergate.engine.http.runtime import RuntimeRef, ServedArchitecture, SteeringRuntime
 from steergate.shared import request_id
 from steergate.shared.jsondepth import JsonDepthMiddleware
 from steergate.shared.openai_errors import OpenAIErrorMiddleware
@@ -81,17 +81,39 @@ class SteeringEndpointPlugin:
             num_layers=int(model_config.get_total_num_hidden_layers()),
         )
         _share_vllm_log_handlers()
-        runtime = SteeringRuntime.create(_served_name(args), shape, self.settings)
+        runtime = SteeringRuntime.create(
+            _served_name(args), shape, self.settings, served=_served_architecture(
+                model_config, steering=self.settings.steering == "on")
+        )
         self.runtime.set(runtime)
         state.steergate = runtime
         log.info(
-            "steergate: hidden_size=%d num_layers=%d caps=%d latches/%d bytes epoch=%s",
+            "steergate: %s (%s, steering %s) hidden_size=%d num_layers=%d "
+            "caps=%d latches/%d bytes epoch=%s",
+            runtime.served.architecture,
+            runtime.served.convention or "no convention",
+            "on" if runtime.served.steered else "off",
             shape.hidden_size,
             shape.num_layers,
             runtime.controller.max_count,
             runtime.controller.max_bytes,
             runtime.epoch,
         )
+
+
+def _served_architecture(model_config: Any, steering: bool) -> ServedArchitecture:
+    """The served model's architecture and layer convention. With steering on, an
+    unsupported one has already stopped the workers' start (engine/worker/runner.py);
+    this raises the same refusal in case it reaches here."""
+    from steergate.engine.worker import conventions
+
+    archs = list(getattr(model_config, "architectures", None) or [])
+    arch = str(archs[0]) if archs else "(no architecture in config.json)"
+    vllm_class = str(model_config.architecture)
+    if not steering:
+        return ServedArchitecture(arch, vllm_class, None)
+    support = conventions.lookup(arch, vllm_class)
+    return ServedArchitecture(arch, vllm_class, support.convention.name)
 
 
 def _served_name(args: Namespace) -> str:

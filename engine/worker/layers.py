@@ -1,15 +1,8 @@
 """Wrap a loaded vLLM decoder stack so each layer calls the steering op.
 
-vLLM's Llama-family layers pass ``(hidden_states, residual)`` between layers and
-fuse "residual add + RMSNorm" at the start of the next norm, so the residual
-stream at any point is ``hidden_states + residual`` (or just ``hidden_states`` in
-front of layer 0, where ``residual is None``). Adding a vector to
-``hidden_states`` therefore adds it to the stream:
-
-* ``pre_attn``  of layer l: added to the ``hidden_states`` entering layer l;
-* ``post_attn`` of layer l: added to attention's output, before the fused
-  add-norm, i.e. to the stream after attention's residual add;
-* ``post_block`` of layer l: added to the ``hidden_states`` the layer returns.
+Where the op goes in each layer depends on the architecture's layer convention
+(:mod:`engine.worker.conventions`); this module only finds the decoder layers and
+hands each one its tables.
 
 We replace ``forward`` on the *instances* (not the classes, not the module tree):
 parameter names, weight loading and vLLM's per-layer attention registry are
@@ -18,16 +11,10 @@ untouched, and Dynamo traces straight through the wrappers.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
-import torch
 from torch import nn
 
-from steergate.engine.worker import op
+from steergate.engine.worker.conventions import FUSED_RESIDUAL, Convention, LayerTables
 from steergate.engine.worker.tables import SteeringTables
-
-_WRAPPED = "_steergate_wrapped"
 
 
 def find_decoder_layers(model: nn.Module) -> tuple[nn.ModuleList, list[int]]:
@@ -38,42 +25,17 @@ def find_decoder_layers(model: nn.Module) -> tuple[nn.ModuleList, list[int]]:
             present = [i for i, layer in enumerate(module) if hasattr(layer, "self_attn")]
             if present:
                 return module, present
-    raise RuntimeError("steergate: could not find the decoder layers (Llama-style model expected)")
+    raise RuntimeError("steergate: could not find the decoder layers (no *layers ModuleList "
+                       "whose layers have self_attn)")
 
 
-def wrap_layers(layers: nn.ModuleList, present: list[int], tables: SteeringTables) -> None:
-    index = tables.index
+def wrap_layers(layers: nn.ModuleList, present: list[int], tables: SteeringTables,
+                convention: Convention = FUSED_RESIDUAL) -> None:
+    """Wrap every present layer (idempotent per layer) the way ``convention`` says."""
     for i in present:
-        layer: Any = layers[i]
-        if getattr(layer, _WRAPPED, False):
-            continue
-        layer.forward = _wrap_layer(
-            layer.forward, tables.tables[("pre_attn", i)], tables.tables[("post_block", i)], index
-        )
-        layer.self_attn.forward = _wrap_attn(
-            layer.self_attn.forward, tables.tables[("post_attn", i)], index
-        )
-        setattr(layer, _WRAPPED, True)
-
-
-def _wrap_layer(
-    forward: Callable[..., Any], pre: torch.Tensor, post: torch.Tensor, index: torch.Tensor
-) -> Callable[..., Any]:
-    def steered_layer_forward(positions: torch.Tensor, hidden_states: torch.Tensor, *args: Any,
-                              **kwargs: Any) -> Any:
-        op.apply(hidden_states, pre, index)
-        out = forward(positions, hidden_states, *args, **kwargs)
-        op.apply(out[0], post, index)
-        return out
-
-    return steered_layer_forward
-
-
-def _wrap_attn(
-    forward: Callable[..., Any], table: torch.Tensor, index: torch.Tensor
-) -> Callable[..., Any]:
-    def steered_attn_forward(*args: Any, **kwargs: Any) -> torch.Tensor:
-        out = forward(*args, **kwargs)
-        return op.apply(out, table, index)
-
-    return steered_attn_forward
+        convention.wrap(layers[i], LayerTables(
+            pre_attn=tables.tables[("pre_attn", i)],
+            post_attn=tables.tables[("post_attn", i)],
+            post_block=tables.tables[("post_block", i)],
+            index=tables.index,
+        ))
