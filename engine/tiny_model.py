@@ -196,6 +196,12 @@ ARCHITECTURES: dict[str, dict[str, object]] = {
         "attention_multiplier": 1 / 64, "logits_scaling": 1.0,
     },
     "Olmo2ForCausalLM": {"model_type": "olmo2"},
+    # Gemma 1: served natively by vLLM, but no verified steering convention (the tests'
+    # example of an architecture the engine refuses to steer).
+    "GemmaForCausalLM": {
+        "model_type": "gemma", "hidden_activation": "gelu_pytorch_tanh",
+        "tie_word_embeddings": True,
+    },
     "MixtralForCausalLM": {
         "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2,
         "sliding_window": None,
@@ -215,7 +221,7 @@ ARCHITECTURES: dict[str, dict[str, object]] = {
 #: Embedding std per architecture where the model scales its embeddings, so the stream
 #: entering layer 0 has entries of std ~1 as in the Llama model (Gemma multiplies by
 #: sqrt(hidden); Granite by its embedding_multiplier).
-_EMBED_STD = {"Gemma2ForCausalLM": 0.03, "Gemma3ForCausalLM": 0.03,
+_EMBED_STD = {"GemmaForCausalLM": 0.03, "Gemma2ForCausalLM": 0.03, "Gemma3ForCausalLM": 0.03,
               "GraniteForCausalLM": 0.5}
 
 
@@ -224,6 +230,7 @@ _EMBED_STD = {"Gemma2ForCausalLM": 0.03, "Gemma3ForCausalLM": 0.03,
 #: small against the stream (else the logits just repeat the current token: its own
 #: row dominates h . E), the final norm's gain (1 + w) spreads the logits again.
 _VECTORS: dict[str, dict[str, float]] = {
+    "GemmaForCausalLM": {"model.norm.weight": 3.0},
     "Gemma2ForCausalLM": {"model.norm.weight": 3.0},
     "Gemma3ForCausalLM": {"model.norm.weight": 3.0},
 }

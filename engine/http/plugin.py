@@ -107,9 +107,8 @@ def _served_architecture(model_config: Any, steering: bool) -> ServedArchitectur
     this raises the same refusal in case it reaches here."""
     from steergate.engine.worker import conventions
 
-    archs = list(getattr(model_config, "architectures", None) or [])
-    arch = str(archs[0]) if archs else "(no architecture in config.json)"
-    vllm_class = str(model_config.architecture)
+    arch = conventions.architecture_of(model_config)
+    vllm_class = conventions.vllm_class_of(model_config)
     if not steering:
         return ServedArchitecture(arch, vllm_class, None)
     support = conventions.lookup(arch, vllm_class)

@@ -315,6 +315,22 @@ def steering_enabled() -> bool:
     return EngineSettings().steering == "on"
 
 
+def architecture_of(model_config: Any) -> str:
+    """``config.json``'s ``architectures[0]`` (what the support table is keyed on)."""
+    archs = list(getattr(model_config, "architectures", None) or [])
+    return str(archs[0]) if archs else "(no architecture in config.json)"
+
+
+def vllm_class_of(model_config: Any) -> str:
+    """The vLLM model class that serves it, from its config (the API server has no
+    model object): ``model_config.architecture`` is the registry key vLLM resolved,
+    which names the architecture also when the Transformers backend serves it."""
+    using_backend = getattr(model_config, "using_transformers_backend", None)
+    if callable(using_backend) and using_backend():
+        return str(model_config._get_transformers_backend_cls())
+    return str(model_config.architecture)
+
+
 def supported_list() -> str:
     return ", ".join(sorted(SUPPORTED))
 
@@ -335,9 +351,12 @@ def lookup(architecture: str, vllm_class: str) -> Support:
     )
 
 
-def check_layers(support: Support, layers: nn.ModuleList, present: list[int]) -> list[str]:
-    """Every structural difference between the loaded layers and ``support``."""
+def check_layers(support: Support, model: nn.Module, layers: nn.ModuleList,
+                 present: list[int]) -> list[str]:
+    """Every structural difference between the loaded model and ``support``."""
     found: list[str] = []
+    if type(model).__name__ != support.vllm_class:
+        found.append(f"the model is vLLM's {type(model).__name__}, not {support.vllm_class}")
     for i in present:
         layer = layers[i]
         if type(layer).__name__ != support.layer_class:

@@ -73,7 +73,7 @@ def attach(runner: Any, required: Sequence[str]) -> SteeringTables | None:
         if getattr(runner, "_steergate_off_logged", False) is False:
             runner._steergate_off_logged = True
             logger.warning("steergate: STEERGATE_STEERING=off: serving %s unsteered",
-                           _architecture(runner.model_config))
+                           conventions.architecture_of(runner.model_config))
         return None
     support = select(runner.model_config)
     existing: SteeringTables | None = getattr(runner, "_steergate", None)
@@ -113,23 +113,20 @@ def attach(runner: Any, required: Sequence[str]) -> SteeringTables | None:
     return tables
 
 
-def _architecture(model_config: Any) -> str:
-    archs = list(getattr(model_config, "architectures", None) or [])
-    return str(archs[0]) if archs else "(no architecture in config.json)"
-
-
 def select(model_config: Any) -> conventions.Support:
     """The verified support entry for the served model; refuses to start otherwise
     (vLLM does not catch it: the worker's load fails and the engine exits)."""
-    return conventions.lookup(_architecture(model_config), str(model_config.architecture))
+    return conventions.lookup(conventions.architecture_of(model_config),
+                              conventions.vllm_class_of(model_config))
 
 
 def _checked_layers(runner: Any, support: conventions.Support) -> tuple[Any, list[int]]:
-    layers, present = find_decoder_layers(runner.get_model())
+    model = runner.get_model()
+    layers, present = find_decoder_layers(model)
     contract.raise_if(
         f"{support.architecture}'s layers do not match the {support.convention.name} "
         "steering convention",
-        conventions.check_layers(support, layers, present),
+        conventions.check_layers(support, model, layers, present),
     )
     return layers, present
 

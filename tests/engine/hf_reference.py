@@ -23,12 +23,16 @@ the phase mask is simply "position < prompt length".
 from __future__ import annotations
 
 import base64
+import re
+import threading
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import torch
 
@@ -186,7 +190,6 @@ def engine_completion(
 ) -> tuple[Generation, Any]:
     """A greedy completion from ``engine`` (``tests.harness.EngineProcess``) with
     logprobs: (what it generated, the HTTP response, for its headers)."""
-    import httpx
 
     body = completion_body(str(engine.model), prompt, max_tokens, **extra)
     if steering is not None:
@@ -194,6 +197,28 @@ def engine_completion(
     r = httpx.post(f"{engine.url}/v1/completions", json=body, headers=engine.headers, timeout=300)
     assert r.status_code == 200, r.text
     return parse_completion(r.json()), r
+
+
+def iteration_buckets(engine: Any) -> dict[str, float]:
+    text = httpx.get(f"{engine.url}/metrics", headers=engine.headers, timeout=30).text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(
+        r'^vllm:iteration_tokens_total_bucket\{[^}]*le="([^"]+)"[^}]*\} (\S+)$', text, re.M)}
+
+
+def send_together(engine: Any, bodies: list[dict]) -> list[Generation]:
+    """Post every body at the same instant (one shared client, a barrier), so the
+    engine admits them into the same running batch."""
+    barrier = threading.Barrier(len(bodies))
+    with httpx.Client(headers=engine.headers, timeout=300) as client:
+
+        def post(body: dict) -> Generation:
+            barrier.wait()
+            r = client.post(f"{engine.url}/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            return parse_completion(r.json())
+
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            return list(pool.map(post, bodies))
 
 
 def assert_matches(got: Generation, want: Generation, tol: float = TOL) -> None:
@@ -236,7 +261,6 @@ def check_latch_bridges_as_explicit_steering(
 ) -> None:
     """A latch set on one turn steers the next exactly as the explicit field does
     (tokens and logprobs identical, and equal to the reference); then it is deleted."""
-    import httpx
 
     decode = steering_field(MULTIRANK_SITES, "decode")
     explicit, _ = _multirank_completion(engine, decode)

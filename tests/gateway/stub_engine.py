@@ -41,6 +41,9 @@ SHAPE = ModelShape(HIDDEN, LAYERS)
 
 
 class _ModelConfig:
+    architectures = ["LlamaForCausalLM"]  # config.json's
+    architecture = "LlamaForCausalLM"  # the vLLM class serving it
+
     def get_hidden_size(self) -> int:
         return HIDDEN
 
