@@ -70,6 +70,14 @@ def build_env(base: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
+def apply_no_steering(args: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """``--no-steering`` is ours, not vLLM's: drop it and set STEERGATE_STEERING=off,
+    which every engine process (API server, workers) reads."""
+    if NO_STEERING not in args:
+        return args, env
+    return [a for a in args if a != NO_STEERING], {**env, "STEERGATE_STEERING": "off"}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in {"-h", "--help"}:
@@ -83,10 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         print("steergate engine: STEERGATE_ENGINE_TOKEN is not set; refusing to start an "
               "engine that anyone on the network could call", file=sys.stderr)
         return 2
-    env = build_env(os.environ)
-    if NO_STEERING in args:
-        args = [a for a in args if a != NO_STEERING]
-        env["STEERGATE_STEERING"] = "off"
+    args, env = apply_no_steering(args, build_env(os.environ))
     try:
         cmd = build_command(args)
     except ValueError as exc:

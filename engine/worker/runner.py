@@ -75,11 +75,11 @@ def attach(runner: Any, required: Sequence[str]) -> SteeringTables | None:
             logger.warning("steergate: STEERGATE_STEERING=off: serving %s unsteered",
                            conventions.architecture_of(runner.model_config))
         return None
-    support = select(runner.model_config)
     existing: SteeringTables | None = getattr(runner, "_steergate", None)
     if existing is not None:
         # load_model ran again (a new model object): wrap its layers around the same
         # tables; wrapping is idempotent per layer, so the same model is not re-wrapped.
+        support = select(runner.model_config)
         wrap_layers(*_checked_layers(runner, support), existing, support.convention)
         return None
     contract.raise_if(
@@ -90,6 +90,7 @@ def attach(runner: Any, required: Sequence[str]) -> SteeringTables | None:
         "this engine configuration cannot be steered exactly",
         contract.feature_problems(runner.vllm_config),
     )
+    support = select(runner.model_config)
     layers, present = _checked_layers(runner, support)
     compilation = runner.vllm_config.compilation_config
     # CUDA graphs pad a step up to a capture size; padded tokens must find row 0.
