@@ -6,6 +6,8 @@ without the ``STEERGATE_`` prefix. CLI flags override by passing keyword values.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -26,6 +28,13 @@ class EngineSettings(BaseSettings):
     )
     max_latched_bytes: int = Field(
         default=DEFAULT_MAX_LATCHED_BYTES, ge=0, description="Latch controller byte cap."
+    )
+    steering: Literal["on", "off"] = Field(
+        default="on",
+        description=(
+            "`off` serves an architecture without a verified steering convention unsteered "
+            "(requests that steer get 501); `on` refuses to start on one."
+        ),
     )
 
 

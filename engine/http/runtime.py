@@ -18,6 +18,25 @@ from steergate.shared.settings import EngineSettings
 from steergate.shared.steering import HOOKS, ModelShape
 
 
+@dataclass(frozen=True)
+class ServedArchitecture:
+    """What ``/v1/steering/info`` says about the served model's layers: its architecture
+    (``config.json``), the vLLM class serving it, the layer convention steering uses
+    (``None`` with ``STEERGATE_STEERING=off``) and the hooks it supports."""
+
+    architecture: str = "LlamaForCausalLM"
+    vllm_class: str = "LlamaForCausalLM"
+    convention: str | None = "fused-residual"
+
+    @property
+    def steered(self) -> bool:
+        return self.convention is not None
+
+    @property
+    def hooks(self) -> list[str]:
+        return list(HOOKS) if self.steered else []
+
+
 @dataclass
 class SteeringRuntime:
     model: str
@@ -25,6 +44,7 @@ class SteeringRuntime:
     controller: LatchController
     registry: VectorRegistry = field(default_factory=VectorRegistry)
     capture: CaptureSupport = field(default_factory=lambda: CaptureSupport(max_model_len=2048))
+    served: ServedArchitecture = field(default_factory=ServedArchitecture)
 
     @property
     def epoch(self) -> str:
@@ -34,13 +54,15 @@ class SteeringRuntime:
     def create(
         cls, model: str, shape: ModelShape, settings: EngineSettings, epoch: str | None = None,
         capture: CaptureSupport | None = None,
+        served: ServedArchitecture | None = None,
     ) -> SteeringRuntime:
         controller = LatchController(
             settings.max_latched_conversations,
             settings.max_latched_bytes,
             epoch or uuid.uuid4().hex,  # changes on every start: clients can tell latches were lost
         )
-        runtime = cls(model=model, shape=shape, controller=controller)
+        runtime = cls(model=model, shape=shape, controller=controller,
+                      served=served or ServedArchitecture())
         if capture is not None:
             runtime.capture = capture
         return runtime
@@ -50,7 +72,11 @@ class SteeringRuntime:
             "model": self.model,
             "hidden_size": self.shape.hidden_size,
             "num_layers": self.shape.num_layers,
-            "hooks": list(HOOKS),
+            "architecture": self.served.architecture,
+            "vllm_class": self.served.vllm_class,
+            "layer_convention": self.served.convention,
+            "steering": "on" if self.served.steered else "off",
+            "hooks": self.served.hooks,
             "max_latched_conversations": self.controller.max_count,
             "max_latched_bytes": self.controller.max_bytes,
             "epoch": self.epoch,

@@ -42,6 +42,8 @@ SHAPE = ModelShape(HIDDEN, LAYERS)
 
 class _ModelConfig:
     max_model_len = stub_vllm.MAX_MODEL_LEN
+    architectures = ["LlamaForCausalLM"]  # config.json's
+    architecture = "LlamaForCausalLM"  # the vLLM class serving it
 
     def get_hidden_size(self) -> int:
         return HIDDEN
