@@ -86,21 +86,11 @@ def _post_attn_hook(model: Any, layer: int, vec: torch.Tensor,
     return decoder.self_attn.register_forward_hook(attn)
 
 
-def reference(
-    model_dir: str | Path,
-    prompt: Sequence[int],
-    sites: Mapping[Site, np.ndarray] | None = None,
-    phase: str = "all",
-    max_tokens: int = 8,
-) -> Generation:
-    model = _model(str(model_dir))
+def _steering_hooks(model: Any, sites: Mapping[Site, np.ndarray] | None,
+                    add: Any) -> list[torch.utils.hooks.RemovableHandle]:
+    """Forward hooks adding each site's vector (through ``add(tensor, vec)``) at its
+    point of the stream (see the module doc)."""
     layers = model.model.layers
-    n_prompt = len(prompt)
-    mask_box: list[torch.Tensor] = []
-
-    def add(t: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
-        return t + mask_box[0][None, :, None] * vec
-
     handles = []
     for (hook, layer), raw in (sites or {}).items():
         vec = torch.as_tensor(np.asarray(raw, dtype=np.float32))
@@ -120,6 +110,24 @@ def reference(
             handles.append(layers[layer].register_forward_hook(block))
         else:
             raise ValueError(hook)
+    return handles
+
+
+def reference(
+    model_dir: str | Path,
+    prompt: Sequence[int],
+    sites: Mapping[Site, np.ndarray] | None = None,
+    phase: str = "all",
+    max_tokens: int = 8,
+) -> Generation:
+    model = _model(str(model_dir))
+    n_prompt = len(prompt)
+    mask_box: list[torch.Tensor] = []
+
+    def add(t: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
+        return t + mask_box[0][None, :, None] * vec
+
+    handles = _steering_hooks(model, sites, add)
     try:
         ids = list(prompt)
         logprobs: list[float] = []
@@ -286,46 +294,65 @@ def check_latch_bridges_as_explicit_steering(
 # -- activation capture: the residual stream at each site, after its steering -----------
 
 
+#: The module whose input is the stream right after attention's residual add (the
+#: first thing that reads it), per architecture; ``post_attention_layernorm`` for the
+#: others (Llama family, MoE, Phi 3, Granite).
+_POST_ATTN_READER = {
+    "Gemma2ForCausalLM": "pre_feedforward_layernorm",
+    "Gemma3ForCausalLM": "pre_feedforward_layernorm",
+    "Olmo2ForCausalLM": "mlp",
+}
+
+
+def _first_input(args: tuple, kwargs: dict) -> torch.Tensor:
+    return args[0] if args else kwargs["hidden_states"]
+
+
 def reference_stream(
     model_dir: str | Path,
     ids: Sequence[int],
     sites: Mapping[Site, np.ndarray] | None,
     capture: Sequence[Site],
 ) -> dict[Site, np.ndarray]:
-    """One float32 forward over ``ids`` with ``sites`` steered at every position;
-    the stream ``[len(ids), hidden]`` at each ``capture`` site after its steering:
-    ``pre_attn`` l the (steered) input of layer l, ``post_attn`` l that input plus
-    the (steered) attention output, ``post_block`` l the (steered) output of layer l."""
+    """One float32 forward over ``ids`` with ``sites`` steered at every position (the
+    same hooks as :func:`reference`); the stream ``[len(ids), hidden]`` at each
+    ``capture`` site after all the steering of that point, read where the model's
+    ``transformers`` code holds it:
+
+    * ``pre_attn`` l: the (steered) input of layer l;
+    * ``post_attn`` l: the input of the module that first reads the stream after
+      attention's residual add (:data:`_POST_ATTN_READER`), so whatever the layer does
+      to attention's output before the add (a norm, Granite's multiplier), and the
+      ``post_attn`` steering, are in it;
+    * ``post_block`` l: the same point as ``pre_attn`` l+1 (it includes the steering
+      of both); the (steered) output of the last layer.
+
+    Reading hooks are registered after the steering hooks, so they run after them."""
     model = _model(str(model_dir))
     layers = model.model.layers
-    steer = {s: torch.as_tensor(np.asarray(v, dtype=np.float32)) for s, v in (sites or {}).items()}
-    zero = torch.zeros(())
+    reader = _POST_ATTN_READER.get(model.config.architectures[0], "post_attention_layernorm")
+    handles = _steering_hooks(model, sites, lambda t, vec: t + vec)
     seen: dict[Site, torch.Tensor] = {}
-    inputs: dict[int, torch.Tensor] = {}
-    handles = []
+
+    def keep(site: Site, t: torch.Tensor) -> None:
+        seen[site] = t.detach().clone()
+
+    last = len(layers) - 1
     for layer in range(len(layers)):
-        def pre(mod: Any, args: tuple, kwargs: dict, layer: int = layer) -> Any:
-            hs = args[0] if args else kwargs["hidden_states"]
-            hs = hs + steer.get(("pre_attn", layer), zero)
-            inputs[layer] = hs
-            seen[("pre_attn", layer)] = hs
-            if args:
-                return (hs, *args[1:]), kwargs
-            return args, {**kwargs, "hidden_states": hs}
+        def pre(mod: Any, args: tuple, kwargs: dict, layer: int = layer) -> None:
+            keep(("pre_attn", layer), _first_input(args, kwargs))
+            if layer > 0:
+                keep(("post_block", layer - 1), _first_input(args, kwargs))
 
-        def attn(mod: Any, args: tuple, out: Any, layer: int = layer) -> Any:
-            o = out[0] + steer.get(("post_attn", layer), zero)
-            seen[("post_attn", layer)] = inputs[layer] + o
-            return (o, *out[1:])
-
-        def block(mod: Any, args: tuple, out: Any, layer: int = layer) -> Any:
-            o = (out[0] if isinstance(out, tuple) else out) + steer.get(("post_block", layer), zero)
-            seen[("post_block", layer)] = o
-            return (o, *out[1:]) if isinstance(out, tuple) else o
+        def attn(mod: Any, args: tuple, kwargs: dict, layer: int = layer) -> None:
+            keep(("post_attn", layer), _first_input(args, kwargs))
 
         handles.append(layers[layer].register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(layers[layer].self_attn.register_forward_hook(attn))
-        handles.append(layers[layer].register_forward_hook(block))
+        handles.append(getattr(layers[layer], reader).register_forward_pre_hook(
+            attn, with_kwargs=True))
+    handles.append(layers[last].register_forward_hook(
+        lambda mod, args, out: keep(("post_block", last),
+                                    out[0] if isinstance(out, tuple) else out)))
     try:
         with torch.no_grad():
             model(torch.tensor([list(ids)]))

@@ -6,12 +6,17 @@ model (``steergate tiny-model --architecture``), served by the real engine at
 the float32 ``transformers`` reference with forward hooks at the same stream points
 (``tests/engine/hf_reference.py``): unsteered, each hook at a middle layer in each
 phase, ``pre_attn`` of layer 0, and three differently steered requests in one batch.
-Greedy tokens are identical and every logprob is within ``TOL`` (1e-3).
+Greedy tokens are identical and every logprob is within ``TOL`` (1e-3). Activation
+capture on the same engine reads the reference's residual stream at each site (all
+three hooks at layer 0 and the middle layer, unsteered; and after steering at
+``post_attn`` l and ``pre_attn`` l+1, the point ``post_block`` l shares), within
+``CAPTURE_TOL`` relative error.
 
-Each check records its max |Δlogprob| in ``$STEERGATE_TEST_CACHE/architectures/``;
-``scripts/support_table.py`` writes docs/steering-op.md's support table from those
-records (``tests/engine/test_support_table.py`` checks the table against the
-conventions table). One MoE model also runs under tensor parallelism 2.
+Each check records its max |Δlogprob| (and each capture its relative error) in
+``$STEERGATE_TEST_CACHE/architectures/``; ``scripts/support_table.py`` writes
+docs/steering-op.md's support table from those records
+(``tests/engine/test_support_table.py`` checks the table against the conventions
+table). One MoE model also runs under tensor parallelism 2.
 
 Run one architecture: ``pytest tests/engine/test_architectures.py -k Gemma2``.
 """
@@ -29,18 +34,24 @@ import numpy as np
 import pytest
 
 from steergate.engine.worker.conventions import HOOKS, SUPPORTED
+from steergate.shared.capture import decode_capture
 from tests.engine.hf_reference import (
     MULTIRANK_MAX_TOKENS,
     MULTIRANK_SITES,
     PROMPT,
     TOL,
     Generation,
+    Site,
     assert_matches,
+    capture_field,
     completion_body,
     engine_completion,
     iteration_buckets,
     max_abs_diff,
+    parse_completion,
     reference,
+    reference_stream,
+    rel_err,
     send_together,
     steering_field,
     unit_vector,
@@ -61,6 +72,8 @@ N = 10  # greedy tokens per check
 #: scaled with it so every hook visibly changes the greedy tokens.
 NORM = {"Gemma2ForCausalLM": 24.0, "Gemma3ForCausalLM": 24.0}
 RESULTS = CACHE / "architectures"
+#: Captured rows against the float32 reference's stream: max |Δ| / max |stream|.
+CAPTURE_TOL = 1e-4
 
 
 def model_dir(architecture: str) -> Path:
@@ -79,6 +92,8 @@ class Served:
     model: Path
     engine: EngineProcess
     checks: dict[str, float] = field(default_factory=dict)
+    #: capture site -> relative error against the reference stream
+    captures: dict[str, float] = field(default_factory=dict)
 
     def vector(self, seed: int, scale: float = 1.0) -> np.ndarray:
         return unit_vector(seed, NORM.get(self.architecture, 6.0) * scale)
@@ -92,6 +107,25 @@ class Served:
         self.checks[name] = max(self.checks.get(name, 0.0),
                                 max_abs_diff(got.logprobs, want.logprobs))
         assert_matches(got, want)
+
+    def check_capture(self, name: str, got: np.ndarray, want: np.ndarray) -> None:
+        """Captured rows within CAPTURE_TOL of the reference's; records the error."""
+        err = rel_err(got, want)
+        self.captures[name] = max(self.captures.get(name, 0.0), err)
+        assert err <= CAPTURE_TOL, (name, err)
+
+    def captured(self, sites: list[Site], steer: dict | None,
+                 tokens: str, max_tokens: int) -> tuple[Generation, dict]:
+        """A greedy request with ``capture`` of ``sites`` (reduce none): what it
+        generated and its capture, by (choice, hook, layer)."""
+        body = completion_body(str(self.engine.model), PROMPT, max_tokens,
+                               capture=capture_field(sites, tokens, "none"))
+        if steer:
+            body["steering"] = steering_field(steer)
+        r = httpx.post(f"{self.engine.url}/v1/completions", json=body,
+                       headers=self.engine.headers, timeout=300)
+        assert r.status_code == 200, r.text
+        return parse_completion(r.json()), decode_capture(r.json()["capture"])
 
 
 def shows(steered: Generation, unsteered: Generation) -> bool:
@@ -112,6 +146,8 @@ def _record(served: Served, convention: str, started_s: float) -> None:
         "engine_start_s": round(started_s, 1),
         "checks": served.checks,
         "max_abs_dlogprob": max(served.checks.values(), default=None),
+        "captures": served.captures,
+        "max_capture_rel_err": max(served.captures.values(), default=None),
     }
     name = served.architecture + ("-tp2" if "--tensor-parallel-size" in
                                   served.engine.extra_args else "")
@@ -205,6 +241,39 @@ def test_three_differently_steered_requests_in_one_batch(served: Served) -> None
                      reference(served.model, PROMPT, sites, phase, max_tokens=n))
         assert got.tokens == solo.tokens  # batching does not change any answer
     assert shows(batched[1], batched[0]) and shows(batched[2], batched[0])
+
+
+def test_capture_of_every_hook_at_layer_0_and_the_middle_equals_reference(
+    served: Served,
+) -> None:
+    """Unsteered, prompt rows: each site reads the reference's stream at its point
+    (for this architecture's layer code: e.g. after Gemma's post-attention norm)."""
+    sites = [(hook, layer) for layer in (0, MID) for hook in HOOKS]
+    _, got = served.captured(sites, None, "prompt", 2)
+    stream = reference_stream(served.model, PROMPT, None, sites)
+    for site in sites:
+        served.check_capture(f"{site[0]}@{site[1]}", got[(0, *site)], stream[site])
+
+
+def test_capture_after_steering_at_the_shared_point_equals_reference(
+    served: Served,
+) -> None:
+    """Steering ``post_attn`` l and ``pre_attn`` l+1; capture of ``post_attn`` l and
+    ``post_block`` l (the point ``pre_attn`` l+1 steers: on the shared table) reads the
+    stream after that steering, prompt and generated rows."""
+    steer = {("post_attn", MID): served.vector(61), ("pre_attn", MID + 1): served.vector(62)}
+    sites = [("post_attn", MID), ("post_block", MID)]
+    generation, got = served.captured(sites, steer, "all", N)
+    served.check("capture/steered", generation,
+                 reference(served.model, PROMPT, steer, max_tokens=N))
+    ids = PROMPT + generation.tokens[:-1]  # the last token is never fed back
+    stream = reference_stream(served.model, ids, steer, sites)
+    for site in sites:
+        served.check_capture(f"{site[0]}@{site[1]}/steered", got[(0, *site)], stream[site])
+    # The check has power: post_block l without pre_attn l+1's vector is far off.
+    without = reference_stream(served.model, ids, {("post_attn", MID): steer[("post_attn", MID)]},
+                               [("post_block", MID)])
+    assert rel_err(without[("post_block", MID)], stream[("post_block", MID)]) > 100 * CAPTURE_TOL
 
 
 # -- a mixture-of-experts model under tensor parallelism 2 ---------------------------
