@@ -11,6 +11,10 @@ front of layer 0, where ``residual is None``). Adding a vector to
   add-norm, i.e. to the stream after attention's residual add;
 * ``post_block`` of layer l: added to the ``hidden_states`` the layer returns.
 
+That tensor is the one layer l+1 receives, so ``pre_attn`` l+1 is served by
+``post_block`` l's table (see engine/worker/tables.py) and only the first layer on
+this rank calls the op on entry.
+
 We replace ``forward`` on the *instances* (not the classes, not the module tree):
 parameter names, weight loading and vLLM's per-layer attention registry are
 untouched, and Dynamo traces straight through the wrappers.
@@ -47,9 +51,10 @@ def wrap_layers(layers: nn.ModuleList, present: list[int], tables: SteeringTable
         layer: Any = layers[i]
         if getattr(layer, _WRAPPED, False):
             continue
-        layer.forward = _wrap_layer(
-            layer.forward, tables.tables[("pre_attn", i)], tables.tables[("post_block", i)], index
-        )
+        # pre_attn i is post_block i-1's table when i-1 is here: the op already ran
+        # on this tensor at the end of layer i-1, so the wrapper skips it (pre=None).
+        pre = None if tables.shares_table_with_previous_layer(i) else tables.tables[("pre_attn", i)]
+        layer.forward = _wrap_layer(layer.forward, pre, tables.tables[("post_block", i)], index)
         layer.self_attn.forward = _wrap_attn(
             layer.self_attn.forward, tables.tables[("post_attn", i)], index
         )
@@ -57,11 +62,12 @@ def wrap_layers(layers: nn.ModuleList, present: list[int], tables: SteeringTable
 
 
 def _wrap_layer(
-    forward: Callable[..., Any], pre: torch.Tensor, post: torch.Tensor, index: torch.Tensor
+    forward: Callable[..., Any], pre: torch.Tensor | None, post: torch.Tensor, index: torch.Tensor
 ) -> Callable[..., Any]:
     def steered_layer_forward(positions: torch.Tensor, hidden_states: torch.Tensor, *args: Any,
                               **kwargs: Any) -> Any:
-        op.apply(hidden_states, pre, index)
+        if pre is not None:
+            op.apply(hidden_states, pre, index)
         out = forward(positions, hidden_states, *args, **kwargs)
         op.apply(out[0], post, index)
         return out

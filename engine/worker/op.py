@@ -8,6 +8,10 @@ in place, so the compiled graph keeps the mutation and its ordering.
 
 On CUDA the body is recorded into CUDA graphs, so it must not branch on Python
 state: it always runs (row 0 of every table is zero, so unsteered tokens add 0).
+There it is one fused Triton launch (:mod:`engine.worker.fused`) whose programs for
+tokens at slot 0 return at once; the torch gather + add pair is two launches, and
+inside a graph launches are what the op costs. Without Triton, or for a layout the
+kernel does not take, CUDA uses the torch body, which gives the same bits.
 On CPU nothing is recorded, so the body may skip a table no live slot writes; that
 check is a set lookup, far cheaper than the gather it avoids.
 """
@@ -17,6 +21,8 @@ from __future__ import annotations
 import weakref
 
 import torch
+
+from steergate.engine.worker import fused
 
 OP_NAME = "steergate::steer"
 
@@ -38,8 +44,17 @@ def mark_live(table: torch.Tensor, live: bool) -> None:
 
 @torch.library.custom_op(OP_NAME, mutates_args=("hidden",))
 def steer(hidden: torch.Tensor, table: torch.Tensor, index: torch.Tensor) -> None:
-    if hidden.device.type == "cpu" and table.data_ptr() not in _LIVE_TABLES:
+    if hidden.device.type == "cpu":
+        if table.data_ptr() not in _LIVE_TABLES:
+            return
+    elif hidden.is_cuda and fused.available() and fused.supports(hidden, table, index):
+        fused.gather_add(hidden, table, index)
         return
+    torch_steer(hidden, table, index)
+
+
+def torch_steer(hidden: torch.Tensor, table: torch.Tensor, index: torch.Tensor) -> None:
+    """The reference body (CPU, and CUDA without Triton): gather, cast, add."""
     n = hidden.shape[0]
     hidden.add_(table.index_select(0, index[:n]).to(hidden.dtype))
 

@@ -2,7 +2,14 @@
 
 Layout
 ------
-* one table per (hook, layer) site: ``[num_slots, hidden]``; row 0 is always zero;
+* one table per point of the residual stream: ``[num_slots, hidden]``; row 0 is
+  always zero. ``post_block`` l and ``pre_attn`` l+1 are the same point (the
+  ``hidden_states`` layer l returns is what layer l+1 receives), so when both layers
+  are on this rank they share one table: ``tables[("pre_attn", l + 1)] is
+  tables[("post_block", l)]`` and a slot's row there is the *sum* of the two
+  vectors (summed in float32, rounded once). That leaves two op sites per layer plus
+  the first layer's ``pre_attn`` (the op is launch-bound on GPU, see
+  docs/steering-op.md). ``tables`` still answers every (hook, layer) site;
 * one int64 index ``[max_num_batched_tokens]``: token t of the current step reads
   row ``index[t]`` of every table (0 = unsteered, also for padding tokens).
 
@@ -37,7 +44,7 @@ Site = tuple[str, int]
 @dataclass
 class _Slot:
     digest: str
-    sites: tuple[Site, ...]
+    sites: tuple[Site, ...]  # owner sites whose row this slot wrote
     refs: int = 0
 
 
@@ -65,13 +72,18 @@ class SteeringTables:
 
     def __post_init__(self) -> None:
         dev = torch.device(self.device)
-        self.tables = {
-            (hook, layer): torch.zeros(
-                self.num_slots, self.hidden_size, dtype=self.dtype, device=dev
-            )
-            for hook in HOOKS
-            for layer in self.layers
+        present = set(self.layers)
+        # Every site -> the site whose table it uses (itself unless merged).
+        self._owner: dict[Site, Site] = {}
+        for layer in self.layers:
+            for hook in HOOKS:
+                merged = hook == "pre_attn" and layer - 1 in present
+                self._owner[(hook, layer)] = ("post_block", layer - 1) if merged else (hook, layer)
+        owned = {
+            site: torch.zeros(self.num_slots, self.hidden_size, dtype=self.dtype, device=dev)
+            for site in set(self._owner.values())
         }
+        self.tables = {site: owned[owner] for site, owner in self._owner.items()}
         self.index = torch.zeros(self.max_tokens, dtype=torch.int64, device=dev)
         # The index is filled on the host; on an accelerator a pinned staging copy
         # is copied over before the forward (non-blocking, like vLLM's own buffers).
@@ -91,7 +103,7 @@ class SteeringTables:
         self._by_digest: dict[str, int] = {}
         self._refs: dict[str, int] = {}  # live requests per digest (slot or not)
         self._payloads: dict[str, Payload] = {}  # req_id -> payload, steered requests only
-        self._site_users: dict[Site, int] = dict.fromkeys(self.tables, 0)
+        self._site_users: dict[Site, int] = dict.fromkeys(owned, 0)  # keyed by owner
 
     # ---- request lifetime -------------------------------------------------
 
@@ -131,6 +143,11 @@ class SteeringTables:
     @property
     def slots_in_use(self) -> int:
         return len(self._slots)
+
+    def shares_table_with_previous_layer(self, layer: int) -> bool:
+        """Whether ``pre_attn`` of ``layer`` is served by ``post_block`` of the layer
+        before (so the wrapper calls the op there only)."""
+        return self._owner[("pre_attn", layer)] != ("pre_attn", layer)
 
     # ---- per step ---------------------------------------------------------
 
@@ -179,13 +196,21 @@ class SteeringTables:
         slot = self._free.pop()
         # Sites outside this rank's tables belong to another pipeline stage (the
         # API server has already checked every layer against the whole model).
-        sites = {s: v for s, v in payload.sites.items() if s in self.tables}
-        self._slots[slot] = _Slot(payload.digest, tuple(sites))
+        # Merged sites (post_block l + pre_attn l+1) are summed in float32 first and
+        # rounded once, so one vector alone lands in the table exactly as before.
+        rows: dict[Site, np.ndarray] = {}
+        for site, vec in payload.sites.items():
+            owner = self._owner.get(site)
+            if owner is None:
+                continue
+            vec = np.asarray(vec, dtype=np.float32)
+            rows[owner] = rows[owner] + vec if owner in rows else vec
+        self._slots[slot] = _Slot(payload.digest, tuple(rows))
         self._by_digest[payload.digest] = slot
-        for site, vec in sites.items():
-            row = torch.as_tensor(np.ascontiguousarray(vec, dtype=np.float32))
-            self.tables[site][slot].copy_(row.to(self.dtype))
-            self._use_site(site, +1)
+        for owner, vec in rows.items():
+            row = torch.as_tensor(np.ascontiguousarray(vec))
+            self.tables[owner][slot].copy_(row.to(self.dtype))
+            self._use_site(owner, +1)
         return slot
 
     def _reclaim(self, in_batch: set[str]) -> None:
