@@ -15,6 +15,7 @@ commands:
   gateway [--port 8080]                                      the multi-tenant gateway
   up [--model PATH_OR_HF_ID]                                 engine + gateway + demo tenant
   tiny-model DIR                                             write a small random Llama
+  real-model [DIR]                                           fetch + convert SmolLM2-135M-Instruct
   tenant create|list|show|update|delete ...                  admin: tenants (delete: --yes)
   key create|list|revoke|rotate ...                          admin: API keys
   admin-key create|list|revoke ...                           admin: admin/viewer keys
@@ -29,6 +30,7 @@ commands need STEERGATE_ADMIN_KEY; --url or STEERGATE_GATEWAY_URL names the gate
 COMMANDS: dict[str, str] = {
     "engine": "steergate.engine.launch:main",
     "tiny-model": "steergate.engine.tiny_model:main",
+    "real-model": "steergate.engine.real_model:main",
     "gateway": "steergate.gateway.server:main",
     "up": "steergate.cli.up:main",
     "tenant": "steergate.cli.admin:tenant_main",

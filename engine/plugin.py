@@ -21,12 +21,22 @@ def register() -> None:
         return
     import vllm
 
-    from steergate.engine.worker import compile_tag, contract, op, runner, runner_v2  # noqa: F401  (op: registers steergate::steer)
+    from steergate.engine.worker import (  # noqa: F401  (op, capture: register their ops)
+        capture,
+        compile_tag,
+        contract,
+        op,
+        runner,
+        runner_v2,
+    )
 
     contract.raise_if(
         f"vLLM {vllm.__version__} does not match the steering adapter",
-        contract.version_problems(vllm.__version__) or contract.v1_problems(),
+        contract.version_problems(vllm.__version__)
+        or contract.v1_problems()
+        or capture.bypass_problems(),
     )
+    capture.install_prefix_cache_bypass()
     compile_tag.install()
     runner.install()
     # V2 differences only matter if the engine selects V2: its load_model then refuses.

@@ -233,6 +233,12 @@ class Metrics:
             ["tenant"],
             registry=self.registry,
         )
+        self.capture_bytes = Counter(
+            "steergate_capture_bytes",
+            "Activation-capture float32 bytes answered (before base64), by tenant.",
+            ["tenant"],
+            registry=self.registry,
+        )
         self.ttft = Histogram(
             "steergate_time_to_first_token_seconds",
             "Streams: time from request received to the first event relayed to the client.",
@@ -275,6 +281,11 @@ class Metrics:
             self._child("prompt_tokens", (tenant_id,)).inc(prompt)
         if completion:
             self._child("completion_tokens", (tenant_id,)).inc(completion)
+
+    def observe_capture(self, tenant_id: str, nbytes: int) -> None:
+        """An answer's ``capture`` object: its float32 bytes (a zero-row capture still
+        makes the tenant's series appear)."""
+        self._child("capture_bytes", (tenant_id,)).inc(max(0, nbytes))
 
     def observe_rejection(self, tenant_id: str, cause: str) -> None:
         """One 429; ``cause`` is its error code (``rate_limit_exceeded``, ...)."""

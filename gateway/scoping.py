@@ -28,6 +28,7 @@ from typing import Any
 
 from steergate.gateway.limits import estimate_tokens
 from steergate.gateway.records import Tenant
+from steergate.shared.capture import CaptureSpec, parse_capture
 from steergate.shared.errors import InvalidField
 from steergate.shared.latch_spec import LatchSpec, sum_inline
 from steergate.shared.scoping import check_conversation_id, check_vector_name, scope
@@ -74,6 +75,9 @@ class Head:
     latch_sites: int  # distinct inline (hook, layer) sites a by-value latch keeps
     stream: bool
     tokens: int
+    #: ``capture``, structure checked (sites bounded); layers and bytes are checked
+    #: against the model's shape before admission too (routes/inference.py).
+    capture: CaptureSpec | None = None
 
     def latch_bytes(self, shape: ModelShape | None) -> int:
         # Without a known shape the engine still enforces its caps; the keep step
@@ -134,7 +138,9 @@ def prescan(body: dict[str, Any], budget: InlineBudget = InlineBudget()) -> Head
                 "'steering.latch' needs a 'conversation_id'",
                 code="latch_without_conversation_id",
             )
+    capture = parse_capture(body["capture"], None) if body.get("capture") is not None else None
     return Head(
+        capture=capture,
         conversation_id=conv,
         names=tuple(names),
         steered=raw is not None,

@@ -110,6 +110,9 @@ _CODES = (
     _e("unsupported_parameter", 400, _N, _GW,
        "a field the gateway cannot serve safely across tenants: `previous_response_id`, "
        "`background` on `/v1/responses` (use `conversation_id` and a latch instead)"),
+    _e("capture_too_large", 400, _N, _BOTH,
+       "`capture` names more sites than allowed, or can produce more float32 bytes than "
+       "allowed per request (choices x sites x rows x hidden x 4; decided up front)"),
     _e("invalid_api_key", 401, _N, _BOTH, "missing, unknown, malformed or revoked key (on the "
        "engine: missing or wrong engine token)"),
     _e("expired_api_key", 401, _N, _GW,

@@ -5,7 +5,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import CLUSTER, EngineProcess, RedisProcess, tiny_model_dir
+from tests.harness import (
+    CLUSTER,
+    REAL_ENGINE_ARGS,
+    REAL_ENGINE_ENV,
+    EngineProcess,
+    RedisProcess,
+    real_model_dir,
+    tiny_model_dir,
+)
 
 
 @pytest.fixture(scope="session")
@@ -45,5 +53,24 @@ def engine(tiny_model: Path) -> Iterator[EngineProcess]:
     ``auto`` serves float32 checkpoints as bfloat16 on x86 CPUs, which would make
     the 1e-3 comparison with a float32 ``transformers`` reference meaningless."""
     proc = EngineProcess(tiny_model, extra_args=["--dtype", "float32"]).start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="session")
+def real_model() -> Path:
+    """The converted SmolLM2-135M-Instruct folder (fetched/converted once per cache)."""
+    return real_model_dir()
+
+
+@pytest.fixture(scope="session")
+def real_engine(real_model: Path) -> Iterator[EngineProcess]:
+    """ONE vLLM CPU engine serving SmolLM2-135M-Instruct at ``--dtype float32``,
+    shared by every test in the session that needs the real model (its start costs
+    minutes on a loaded machine; mark such tests ``engine``). Tests must not change
+    its caps or restart it; a test needing other engine settings starts its own."""
+    proc = EngineProcess(
+        real_model, env=dict(REAL_ENGINE_ENV), extra_args=list(REAL_ENGINE_ARGS)
+    ).start(timeout=900.0)
     yield proc
     proc.stop()

@@ -185,9 +185,24 @@ def tiny_model_dir() -> Path:
     return path
 
 
+def real_model_dir() -> Path:
+    """SmolLM2-135M-Instruct, converted (see ``engine/real_model.py``): already in the
+    user cache after ``make install``; fetched and converted here otherwise."""
+    from steergate.engine.real_model import ensure_real_model
+
+    return ensure_real_model()
+
+
+# The real model's engine: float32 (the tests compare with a float32 transformers
+# reference), a 2048-token context and a 1 GiB KV cache so it stays small next to
+# the tiny engine on a shared machine (the weights are 0.54 GB in float32).
+REAL_ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "2048"]
+REAL_ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
 @dataclass
 class EngineProcess:
-    """``steergate engine`` serving the tiny model on CPU."""
+    """``steergate engine`` serving a model (the tiny one unless told) on CPU."""
 
     model: Path
     env: dict[str, str] = field(default_factory=dict)

@@ -23,7 +23,8 @@ import orjson
 import psutil
 import pytest
 
-from tests.harness import CACHE, ROOT, free_port, tiny_model_dir
+from steergate.engine.real_model import MODEL_NAME
+from tests.harness import CACHE, ROOT, free_port, real_model_dir
 
 pytestmark = pytest.mark.engine
 
@@ -58,14 +59,14 @@ class Up:
 
 
 def _start(tmp: Path) -> Up:
-    # A fixed home that reuses the session's tiny model (what a second `up` on the
+    # A fixed home that reuses the converted default model (what a second `up` on the
     # same machine does); a stable model path also lets vLLM reuse its compile cache.
     home = CACHE / "up-home"
-    home.mkdir(parents=True, exist_ok=True)
-    link = home / "tiny-model"
+    (home / "models").mkdir(parents=True, exist_ok=True)
+    link = home / "models" / MODEL_NAME
     if not link.exists():
         link.unlink(missing_ok=True)  # a dangling link from an older cache folder
-        link.symlink_to(tiny_model_dir(), target_is_directory=True)
+        link.symlink_to(real_model_dir(), target_is_directory=True)
     env = {k: v for k, v in os.environ.items()
            if not (k.startswith("STEERGATE_") or k == "REDIS_URL")}
     env["STEERGATE_HOME"] = str(home)
@@ -130,6 +131,7 @@ def test_quick_start_prints_urls_keys_and_a_curl(up_process: Up) -> None:
     assert up_process.value("admin key")
     assert up_process.value("demo key").startswith("sk-sg-")
     assert up_process.value("demo key") in up_process.curl()
+    assert up_process.value("model") == "SmolLM2-135M-Instruct"  # the default, no --model
 
 
 def test_printed_curl_steers_with_calm_and_latches(up_process: Up) -> None:

@@ -63,32 +63,6 @@ def test_stop_process_group_leaves_no_member_alive_even_one_ignoring_sigterm() -
     assert proc.returncode is not None
 
 
-def test_ensure_tiny_model_generates_once_then_reuses(tmp_path: Path) -> None:
-    calls: list[Path] = []
-
-    def fake_generate(path: Path) -> None:
-        calls.append(path)
-        path.mkdir(parents=True)
-        (path / "config.json").write_text("{}")
-
-    target = tmp_path / "home" / "tiny-model"
-    assert up.ensure_tiny_model(target, fake_generate) == target
-    assert up.ensure_tiny_model(target, fake_generate) == target
-    assert len(calls) == 1 and calls[0] != target  # written aside, then renamed into place
-    assert (target / "config.json").exists()
-    assert [p.name for p in target.parent.iterdir()] == ["tiny-model"]
-
-
-def test_ensure_tiny_model_leaves_nothing_when_generation_fails(tmp_path: Path) -> None:
-    def broken(path: Path) -> None:
-        path.mkdir(parents=True)
-        raise subprocess.CalledProcessError(1, "tiny-model")
-
-    with pytest.raises(subprocess.CalledProcessError):
-        up.ensure_tiny_model(tmp_path / "tiny-model", broken)
-    assert list(tmp_path.iterdir()) == []
-
-
 def test_secrets_come_from_env_when_set_and_are_random_otherwise(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -152,3 +126,11 @@ def test_up_refuses_a_taken_port_before_starting_the_engine(tmp_path: Path) -> N
     assert f"127.0.0.1:{port} is in use" in out.stderr
     assert time.monotonic() - started < 30
     assert list(tmp_path.iterdir()) == []  # no model generated, no engine log
+
+
+def test_the_default_model_is_served_in_float32_unless_a_dtype_is_given() -> None:
+    assert up.default_model_engine_args([]) == ["--dtype", "float32"]
+    assert up.default_model_engine_args(["--max-model-len", "4096"]) == [
+        "--dtype", "float32", "--max-model-len", "4096"]
+    assert up.default_model_engine_args(["--dtype", "bfloat16"]) == ["--dtype", "bfloat16"]
+    assert up.default_model_engine_args(["--dtype=half"]) == ["--dtype=half"]

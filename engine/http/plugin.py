@@ -21,6 +21,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from steergate.engine.http.auth import EngineTokenMiddleware
+from steergate.engine.http.capture import CaptureSupport
 from steergate.engine.http.rewrite import SteeringRewriteMiddleware
 from steergate.engine.http.routes import build_router
 from steergate.engine.http.runtime import RuntimeRef, SteeringRuntime
@@ -81,7 +82,10 @@ class SteeringEndpointPlugin:
             num_layers=int(model_config.get_total_num_hidden_layers()),
         )
         _share_vllm_log_handlers()
-        runtime = SteeringRuntime.create(_served_name(args), shape, self.settings)
+        runtime = SteeringRuntime.create(
+            _served_name(args), shape, self.settings,
+            capture=capture_support(engine_client.vllm_config),
+        )
         self.runtime.set(runtime)
         state.steergate = runtime
         log.info(
@@ -92,6 +96,21 @@ class SteeringEndpointPlugin:
             runtime.controller.max_bytes,
             runtime.epoch,
         )
+
+
+def capture_support(vllm_config: Any) -> CaptureSupport:
+    """Capture's op body runs on the host every forward; a CUDA graph replays only
+    what was recorded, so an engine that replays graphs cannot capture (decided here,
+    answered as a 400 ``not_implemented`` naming ``capture``)."""
+    model_config = vllm_config.model_config
+    max_len = int(getattr(model_config, "max_model_len", 0) or 2048)
+    device = str(getattr(getattr(vllm_config, "device_config", None), "device_type", "") or "")
+    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
+    graphs = mode is not None and getattr(mode, "name", "NONE") != "NONE"
+    if device != "cpu" and graphs and not getattr(model_config, "enforce_eager", False):
+        return CaptureSupport(max_len, "this engine replays CUDA graphs; serve it with "
+                              "--enforce-eager to capture")
+    return CaptureSupport(max_len)
 
 
 def _served_name(args: Namespace) -> str:

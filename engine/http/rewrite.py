@@ -20,6 +20,8 @@ import hashlib
 import json
 from typing import Any
 
+from steergate.engine import capture_io
+from steergate.engine.http import capture as capture_http
 from steergate.engine.http.exact import prompt_key, refuse_inexact
 from steergate.engine.http.runtime import RuntimeRef, SteeringRuntime
 from steergate.engine.payload import XARGS_KEY, encode_payload
@@ -76,17 +78,28 @@ class SteeringRewriteMiddleware:
         if doc is None:  # not a JSON object: vLLM answers it in its own words
             await self.app(scope, replay(body, receive), _with_latch(send, Resolution("none")))
             return
+        path = _route_path(scope)
         try:
-            resolution = rewrite(doc, self.runtime.get())
+            runtime = self.runtime.get()
+            # Validated before the rewrite, which may change a latch.
+            call = capture_http.take(doc, path, runtime.shape, runtime.capture)
+            resolution = rewrite(doc, runtime)
         except APIError as exc:
             await send_error(send, exc, [(LATCH_HEADER, b"none")])
             return
+        if call is not None:
+            call.apply(doc)
+            send = capture_http.with_capture(send, call, path)
         new_body = json.dumps(doc, separators=(",", ":")).encode()
-        await self.app(
-            _with_body_length(scope, new_body),
-            replay(new_body, receive),
-            _with_latch(send, resolution),
-        )
+        try:
+            await self.app(
+                _with_body_length(scope, new_body),
+                replay(new_body, receive),
+                _with_latch(send, resolution),
+            )
+        finally:
+            if call is not None:
+                call.discard()  # no-op once the answer collected them; else 0 bytes kept
 
     async def _strip_only(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = await read_body(receive)
@@ -198,11 +211,16 @@ def _conversation_id(value: Any) -> str | None:
 
 
 def _strip_xargs(doc: dict[str, Any]) -> bool:
+    """Drop the keys workers trust (steering and capture payloads) from a client's
+    ``vllm_xargs``: only this middleware writes them."""
     xargs = doc.get("vllm_xargs")
-    if isinstance(xargs, dict) and XARGS_KEY in xargs:
-        del xargs[XARGS_KEY]
-        return True
-    return False
+    stripped = False
+    if isinstance(xargs, dict):
+        for key in (XARGS_KEY, capture_io.XARGS_KEY):
+            if key in xargs:
+                del xargs[key]
+                stripped = True
+    return stripped
 
 
 def _json_object(body: bytes) -> dict[str, Any] | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
+from steergate.engine.http.capture import CaptureSupport
 from steergate.engine.latch import LatchController
 from steergate.engine.registry import VectorRegistry
 from steergate.shared.errors import APIError
@@ -23,6 +24,7 @@ class SteeringRuntime:
     shape: ModelShape
     controller: LatchController
     registry: VectorRegistry = field(default_factory=VectorRegistry)
+    capture: CaptureSupport = field(default_factory=lambda: CaptureSupport(max_model_len=2048))
 
     @property
     def epoch(self) -> str:
@@ -30,14 +32,18 @@ class SteeringRuntime:
 
     @classmethod
     def create(
-        cls, model: str, shape: ModelShape, settings: EngineSettings, epoch: str | None = None
+        cls, model: str, shape: ModelShape, settings: EngineSettings, epoch: str | None = None,
+        capture: CaptureSupport | None = None,
     ) -> SteeringRuntime:
         controller = LatchController(
             settings.max_latched_conversations,
             settings.max_latched_bytes,
             epoch or uuid.uuid4().hex,  # changes on every start: clients can tell latches were lost
         )
-        return cls(model=model, shape=shape, controller=controller)
+        runtime = cls(model=model, shape=shape, controller=controller)
+        if capture is not None:
+            runtime.capture = capture
+        return runtime
 
     def info(self) -> dict[str, object]:
         return {

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from steergate.engine.worker import op
+from steergate.engine.worker import capture, op
 from steergate.engine.worker.tables import SteeringTables
 
 _WRAPPED = "_steergate_wrapped"
@@ -54,7 +54,7 @@ def wrap_layers(layers: nn.ModuleList, present: list[int], tables: SteeringTable
         # pre_attn i is post_block i-1's table when i-1 is here: the op already ran
         # on this tensor at the end of layer i-1, so the wrapper skips it (pre=None).
         pre = None if tables.shares_table_with_previous_layer(i) else tables.tables[("pre_attn", i)]
-        layer.forward = _wrap_layer(layer.forward, pre, tables.tables[("post_block", i)], index)
+        layer.forward = _wrap_layer(layer.forward, pre, tables.tables[("post_block", i)], index, i)
         layer.self_attn.forward = _wrap_attn(
             layer.self_attn.forward, tables.tables[("post_attn", i)], index
         )
@@ -62,14 +62,21 @@ def wrap_layers(layers: nn.ModuleList, present: list[int], tables: SteeringTable
 
 
 def _wrap_layer(
-    forward: Callable[..., Any], pre: torch.Tensor | None, post: torch.Tensor, index: torch.Tensor
+    forward: Callable[..., Any], pre: torch.Tensor | None, post: torch.Tensor, index: torch.Tensor,
+    layer: int,
 ) -> Callable[..., Any]:
     def steered_layer_forward(positions: torch.Tensor, hidden_states: torch.Tensor, *args: Any,
                               **kwargs: Any) -> Any:
         if pre is not None:
             op.apply(hidden_states, pre, index)
+        # Capture reads each site after its steering (engine/worker/capture.py); the
+        # layer returns (hidden, residual) with residual = the stream after attention.
+        residual = args[0] if args else kwargs.get("residual")
+        capture.read(hidden_states, residual, "pre_attn", layer)
         out = forward(positions, hidden_states, *args, **kwargs)
+        capture.read(out[1], None, "post_attn", layer)
         op.apply(out[0], post, index)
+        capture.read(out[0], out[1], "post_block", layer)
         return out
 
     return steered_layer_forward

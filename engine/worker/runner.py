@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from steergate.engine.payload import XARGS_KEY, Payload, decode_payload
+from steergate.engine.worker import capture as worker_capture
 from steergate.engine.worker import contract
 from steergate.engine.worker.layers import find_decoder_layers, wrap_layers
 from steergate.engine.worker.tables import SteeringTables, StepRequest
@@ -51,6 +52,7 @@ def install() -> None:
             setattr(cls, "_prepare_inputs", _after_prepare(GPUModelRunner._prepare_inputs))  # noqa: B010
             setattr(cls, "_on_request_state_removed",  # noqa: B010
                     _on_removed(GPUModelRunner._on_request_state_removed))
+            setattr(cls, "execute_model", _after_execute(GPUModelRunner.execute_model))  # noqa: B010
         setattr(cls, _PATCHED, True)
 
 
@@ -98,6 +100,7 @@ def attach(runner: Any, required: Sequence[str]) -> SteeringTables | None:
     )
     wrap_layers(layers, present, tables)
     runner._steergate = tables
+    worker_capture.install_state(worker_capture.new_state(present, tables.hidden_size))
     logger.info(
         "steergate: steering %d layers x 3 hooks, %d slots, %d-token index (%s)",
         len(present), tables.num_slots, max_tokens, type(runner).__module__,
@@ -112,6 +115,7 @@ def _after_prepare(prepare: Callable[..., Any]) -> Callable[..., Any]:
         tables: SteeringTables | None = getattr(self, "_steergate", None)
         if tables is not None:
             _fill(self, tables, scheduler_output.total_num_scheduled_tokens)
+            _plan_capture(self)
         return result
 
     return prepare_and_fill
@@ -126,9 +130,11 @@ def _fill(runner: Any, tables: SteeringTables, num_tokens: int) -> None:
         if req_id not in seen:
             seen.add(req_id)
             state = runner.requests.get(req_id)
-            payload = payload_of(getattr(state, "sampling_params", None), req_id)
+            params = getattr(state, "sampling_params", None)
+            payload = payload_of(params, req_id)
             if payload is not None:
                 tables.add_request(req_id, payload)
+            worker_capture.register(params, req_id)
     if tables.num_steered_requests == 0 and not tables.index_dirty:
         return
     qsl = runner.query_start_loc.np
@@ -140,6 +146,34 @@ def _fill(runner: Any, tables: SteeringTables, num_tokens: int) -> None:
         if tables.is_steered(req_id)
     ]
     tables.fill(step, num_tokens)
+
+
+def _plan_capture(runner: Any) -> None:
+    st = worker_capture.state()
+    if st is None or not st.reqs:
+        return
+    batch = runner.input_batch
+    qsl = runner.query_start_loc.np
+    computed = batch.num_computed_tokens_cpu
+    prompt = batch.num_prompt_tokens
+    st.plan_step([
+        (req_id, int(qsl[i]), int(qsl[i + 1]), int(computed[i]), int(prompt[i]))
+        for i, req_id in enumerate(batch.req_ids[: batch.num_reqs])
+    ])
+
+
+def _after_execute(execute: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(execute)
+    def execute_and_flush(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return execute(self, *args, **kwargs)
+        finally:
+            # The step's rows reach the files before its output leaves the worker.
+            st = worker_capture.state()
+            if st is not None:
+                st.flush()
+
+    return execute_and_flush
 
 
 def payload_of(params: Any, req_id: str) -> Payload | None:
@@ -166,5 +200,6 @@ def _on_removed(hook: Callable[..., Any]) -> Callable[..., Any]:
         if tables is not None:
             self._steergate_seen.discard(req_id)
             tables.remove_request(req_id)
+            worker_capture.unregister(req_id)
 
     return release

@@ -30,8 +30,8 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from steergate.engine.worker import contract
-from steergate.engine.worker.runner import attach, payload_of
+from steergate.engine.worker import capture, contract
+from steergate.engine.worker.runner import _after_execute, attach, payload_of
 from steergate.engine.worker.tables import SteeringTables, StepRequest
 
 _PATCHED = "_steergate_patched"
@@ -54,6 +54,7 @@ def install(problems: Sequence[str] | None) -> None:
         setattr(V2, "add_requests", _after_add(V2.add_requests))  # noqa: B010
         setattr(V2, "_remove_request", _after_remove(V2._remove_request))  # noqa: B010
         setattr(V2, "prepare_inputs", _after_prepare(V2.prepare_inputs))  # noqa: B010
+        setattr(V2, "execute_model", _after_execute(V2.execute_model))  # noqa: B010
     setattr(V2, _PATCHED, True)
 
 
@@ -103,6 +104,7 @@ def _after_add(add: Callable[..., Any]) -> Callable[..., Any]:
                 payload = payload_of(new.sampling_params, new.req_id)
                 if payload is not None:
                     tables.add_request(new.req_id, payload)
+                capture.register(new.sampling_params, new.req_id)
         return result
 
     return add_and_register
@@ -115,6 +117,9 @@ def _after_remove(remove: Callable[..., Any]) -> Callable[..., Any]:
         tables: SteeringTables | None = getattr(self, "_steergate", None)
         if tables is not None:
             tables.remove_request(req_id)
+            # V2 removes preempted requests too: a resumed one starts capture afresh
+            # (docs/steering-op.md: preemption is exact on the V1 runner).
+            capture.unregister(req_id)
         return result
 
     return remove_and_release
@@ -134,6 +139,7 @@ def _after_prepare(prepare: Callable[..., Any]) -> Callable[..., Any]:
 
 def fill(runner: Any, tables: SteeringTables, batch: Any) -> None:
     """Point this step's tokens (V2 ``InputBatch`` layout) at their slots."""
+    _plan_capture(runner, batch)
     if tables.num_steered_requests == 0 and not tables.index_dirty:
         return
     qsl = batch.query_start_loc_np
@@ -147,3 +153,15 @@ def fill(runner: Any, tables: SteeringTables, batch: Any) -> None:
         if tables.is_steered(req_id)
     ]
     tables.fill(step, batch.num_tokens)
+
+
+def _plan_capture(runner: Any, batch: Any) -> None:
+    st = capture.state()
+    if st is None or not st.reqs:
+        return
+    qsl, computed = batch.query_start_loc_np, batch.num_computed_tokens_np
+    rows, prompt_len = batch.idx_mapping_np, runner.req_states.prompt_len.np
+    st.plan_step([
+        (req_id, int(qsl[i]), int(qsl[i + 1]), int(computed[i]), int(prompt_len[rows[i]]))
+        for i, req_id in enumerate(batch.req_ids[: batch.num_reqs])
+    ])

@@ -39,6 +39,7 @@ from steergate.gateway.upstream import (
     UpstreamStream,
 )
 from steergate.shared import engine_api
+from steergate.shared.capture import answer_bytes, check_up_front, parse_capture
 from steergate.shared.engine_api import LATCH_HEADER
 from steergate.shared.errors import APIError, InvalidField
 
@@ -122,6 +123,11 @@ async def proxy_inference(request: Request, path: str) -> Response:
     client_stream_options = "stream_options" in body
     # Ids validated in full and the inline budget checked; no vector data converted yet.
     head = prescan(body, svc.bodies.budget)
+    shape = svc.engines.shape()
+    if head.capture is not None and shape is not None:  # 400s before admission
+        parse_capture(body["capture"], shape)
+        check_up_front(head.capture, body, path == engine_api.COMPLETIONS, shape.hidden_size,
+                       head.tokens)
     adm = await svc.limiter.admit(
         tenant,
         tokens=head.tokens,
@@ -141,11 +147,12 @@ async def proxy_inference(request: Request, path: str) -> Response:
         if adm.evicted:  # the engines' copies are harmless (never bridged) but use memory
             svc.engines.forget_latches_soon(tenant.id, adm.evicted)
         turn = Turn(svc, adm, head, prep, body, path)
+        on_capture = _capture_meter(request, tenant.id, head)
         # A stream's span ends once the engine's answer has started (headers relayed).
         with span("proxy", tenant_id=tenant.id, stream=head.stream):
             if head.stream:
-                return await _stream(turn)
-            return await _unary(turn)
+                return await _stream(turn, on_capture)
+            return await _unary(turn, on_capture)
     except APIError as exc:
         _settle(svc, adm, exc.status, 0, None)
         exc.headers = {**adm.headers, **exc.headers}
@@ -153,6 +160,17 @@ async def proxy_inference(request: Request, path: str) -> Response:
     except BaseException:
         _settle(svc, adm, 0, 0, None)  # client went away: release the lease now
         raise
+
+
+def _capture_meter(request: Request, tenant_id: str, head: Head) -> Callable[[Any], None]:
+    """Counts an answer's captured bytes for the tenant (``steergate_capture_bytes``)."""
+    metrics = getattr(request.app.state, "metrics", None)
+
+    def observe(capture: Any) -> None:
+        if metrics is not None and head.capture is not None:
+            metrics.observe_capture(tenant_id, answer_bytes(capture))
+
+    return observe
 
 
 def _check_names(head: Head, adm: Admission) -> None:
@@ -230,7 +248,7 @@ async def _send(turn: Turn) -> UpstreamResponse:
         attempt += 1
 
 
-async def _unary(turn: Turn) -> Response:
+async def _unary(turn: Turn, on_capture: Callable[[Any], None]) -> Response:
     svc, adm, prep = turn.svc, turn.adm, turn.prep
     r = await _send(turn)
     tenant_id = adm.tenant.id
@@ -247,6 +265,8 @@ async def _unary(turn: Turn) -> Response:
         except orjson.JSONDecodeError:
             doc = None
         tokens, prompt = _usage(doc)
+        if isinstance(doc, dict) and "capture" in doc:
+            on_capture(doc["capture"])
         if isinstance(doc, dict):
             steering = doc.get("steering")
             if not isinstance(steering, dict) or steering.get("latch") != state:
@@ -322,7 +342,7 @@ async def _open_stream(turn: Turn) -> tuple[Any, UpstreamStream, bytes]:
         attempt += 1
 
 
-async def _stream(turn: Turn) -> Response:
+async def _stream(turn: Turn, on_capture: Callable[[Any], None]) -> Response:
     svc, adm, prep = turn.svc, turn.adm, turn.prep
     cm, up, content = await _open_stream(turn)
     tenant_id = adm.tenant.id
@@ -367,11 +387,11 @@ async def _stream(turn: Turn) -> Response:
                 buf += chunk
                 while b"\n\n" in buf:
                     event, buf = buf.split(b"\n\n", 1)
-                    out = _relay_event(event, prep.include_usage, marker, meter)
+                    out = _relay_event(event, prep.include_usage, marker, meter, on_capture)
                     if out is not None:
                         yield out
             if buf.strip():
-                out = _relay_event(buf, prep.include_usage, marker, meter)
+                out = _relay_event(buf, prep.include_usage, marker, meter, on_capture)
                 if out is not None:
                     yield out
             seen["status"] = 200
@@ -394,7 +414,11 @@ async def _stream(turn: Turn) -> Response:
 
 
 def _relay_event(
-    event: bytes, client_wants_usage: bool, marker: bytes, meter: StreamMeter
+    event: bytes,
+    client_wants_usage: bool,
+    marker: bytes,
+    meter: StreamMeter,
+    on_capture: Callable[[Any], None] | None = None,
 ) -> bytes | None:
     """One SSE event out (or None to drop it); what it reports goes to ``meter``."""
     if marker in event:
@@ -408,6 +432,14 @@ def _relay_event(
         except orjson.JSONDecodeError:
             doc = None
         meter.observe(doc)
+        if on_capture is not None and isinstance(doc, dict):
+            # chat/completions: a final chunk of its own; responses: response.completed
+            inner = doc.get("response")
+            capture = doc.get("capture")
+            if capture is None and isinstance(inner, dict):
+                capture = inner.get("capture")
+            if capture is not None:
+                on_capture(capture)
         if (
             not client_wants_usage
             and isinstance(doc, dict)

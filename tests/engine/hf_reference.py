@@ -229,3 +229,84 @@ def check_latch_bridges_as_explicit_steering(
         f"{engine.url}/v1/steering/latches/{conversation_id}", headers=engine.headers, timeout=30
     )
     assert r.status_code == 204
+
+
+# -- activation capture: the residual stream at each site, after its steering -----------
+
+
+def reference_stream(
+    model_dir: str | Path,
+    ids: Sequence[int],
+    sites: Mapping[Site, np.ndarray] | None,
+    capture: Sequence[Site],
+) -> dict[Site, np.ndarray]:
+    """One float32 forward over ``ids`` with ``sites`` steered at every position;
+    the stream ``[len(ids), hidden]`` at each ``capture`` site after its steering:
+    ``pre_attn`` l the (steered) input of layer l, ``post_attn`` l that input plus
+    the (steered) attention output, ``post_block`` l the (steered) output of layer l."""
+    model = _model(str(model_dir))
+    layers = model.model.layers
+    steer = {s: torch.as_tensor(np.asarray(v, dtype=np.float32)) for s, v in (sites or {}).items()}
+    zero = torch.zeros(())
+    seen: dict[Site, torch.Tensor] = {}
+    inputs: dict[int, torch.Tensor] = {}
+    handles = []
+    for layer in range(len(layers)):
+        def pre(mod: Any, args: tuple, kwargs: dict, layer: int = layer) -> Any:
+            hs = args[0] if args else kwargs["hidden_states"]
+            hs = hs + steer.get(("pre_attn", layer), zero)
+            inputs[layer] = hs
+            seen[("pre_attn", layer)] = hs
+            if args:
+                return (hs, *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": hs}
+
+        def attn(mod: Any, args: tuple, out: Any, layer: int = layer) -> Any:
+            o = out[0] + steer.get(("post_attn", layer), zero)
+            seen[("post_attn", layer)] = inputs[layer] + o
+            return (o, *out[1:])
+
+        def block(mod: Any, args: tuple, out: Any, layer: int = layer) -> Any:
+            o = (out[0] if isinstance(out, tuple) else out) + steer.get(("post_block", layer), zero)
+            seen[("post_block", layer)] = o
+            return (o, *out[1:]) if isinstance(out, tuple) else o
+
+        handles.append(layers[layer].register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(layers[layer].self_attn.register_forward_hook(attn))
+        handles.append(layers[layer].register_forward_hook(block))
+    try:
+        with torch.no_grad():
+            model(torch.tensor([list(ids)]))
+        return {s: seen[s][0].to(torch.float32).numpy() for s in capture}
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def capture_field(sites: Sequence[Site], tokens: str = "all", reduce: str = "none") -> dict:
+    by_hook: dict[str, list[int]] = {}
+    for hook, layer in sites:
+        by_hook.setdefault(hook, []).append(layer)
+    return {"sites": [{"hook": h, "layers": ls} for h, ls in by_hook.items()],
+            "tokens": tokens, "reduce": reduce}
+
+
+def expected_capture(
+    stream: np.ndarray, n_prompt: int, tokens: str, reduce: str
+) -> np.ndarray:
+    """Rows of a full-sequence stream (prompt + generated tokens fed back) as the
+    capture answer holds them."""
+    rows = {"prompt": stream[:n_prompt], "generated": stream[n_prompt:], "all": stream}[tokens]
+    if reduce == "none" or len(rows) == 0:
+        return rows
+    if reduce == "last":
+        return rows[-1:]
+    return rows.astype(np.float64).mean(axis=0, keepdims=True).astype(np.float32)
+
+
+def rel_err(got: np.ndarray, want: np.ndarray) -> float:
+    """max |got - want| / max |want| (the stream's scale), 0 for two empty arrays."""
+    assert got.shape == want.shape, (got.shape, want.shape)
+    if want.size == 0:
+        return 0.0
+    return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30))

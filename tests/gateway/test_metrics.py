@@ -55,7 +55,9 @@ def traffic(ops: Ops) -> str:
     """A 200, a latch, a 429 for tenant acme; returns its key."""
     key = ops.tenant("acme", rpm=2, latch_count=4, latch_bytes=4096)
     assert ops.chat(key, conversation_id="c1", steering=INLINE_LATCH).status_code == 200
-    assert ops.chat(key).status_code == 200
+    # captured bytes are metered (the stub runs no model: 0 rows, 0 bytes)
+    capture = {"sites": [{"hook": "post_block", "layers": [1]}]}
+    assert ops.chat(key, capture=capture).status_code == 200
     assert ops.chat(key).status_code == 429
     return key
 

@@ -1,0 +1,92 @@
+"""Capture on the real model (SmolLM2-135M-Instruct, float32 engine) equals a float32
+``transformers`` reference: every hook at early, middle and last layers, reduce
+none/mean/last, in a batch with a steered request and a steered request without
+capture; relative error <= 1e-4 (max |diff| / max |reference| per site)."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from steergate.shared.capture import decode_capture
+from tests.engine.hf_reference import (
+    capture_field,
+    completion_body,
+    expected_capture,
+    parse_completion,
+    reference_stream,
+    rel_err,
+    steering_field,
+)
+from tests.harness import EngineProcess
+
+pytestmark = pytest.mark.engine
+
+TOL = 1e-4
+HIDDEN = 576
+SITES = [(h, layer) for h in ("pre_attn", "post_attn", "post_block") for layer in (0, 9, 29)]
+MAX_TOKENS = 6
+
+
+def _vec(seed: int, norm: float) -> np.ndarray:
+    v = np.random.default_rng(seed).normal(size=HIDDEN).astype(np.float32)
+    return (v / np.linalg.norm(v) * norm).astype(np.float32)
+
+
+STEER = {("pre_attn", 4): _vec(61, 4.0), ("post_attn", 9): _vec(62, 3.0),
+         ("post_block", 12): _vec(63, 3.0)}
+
+
+def _ids(model: Path, text: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    return list(AutoTokenizer.from_pretrained(str(model))(text)["input_ids"])
+
+
+def _post(engine: EngineProcess, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{engine.url}/v1/completions", json=body, headers=engine.headers,
+                      timeout=600)
+
+
+@pytest.mark.parametrize("reduce", ["none", "mean", "last"])
+def test_real_model_capture_equals_reference(
+    real_engine: EngineProcess, real_model: Path, reduce: str
+) -> None:
+    a = _ids(real_model, "The ocean is vast and deep, and its waves")
+    b = _ids(real_model, "What is the capital of France?")
+    cases = [
+        (a, capture_field(SITES, "all", reduce), STEER),
+        (b, capture_field(SITES, "prompt", reduce), None),
+        (b, capture_field(SITES, "generated", reduce), STEER),
+        (a, None, {("post_block", 20): _vec(64, 5.0)}),
+    ]
+
+    def run(case: tuple) -> httpx.Response:
+        prompt, cap, steer = case
+        body = completion_body(str(real_engine.model), prompt, MAX_TOKENS)
+        if cap is not None:
+            body["capture"] = cap
+        if steer is not None:
+            body["steering"] = steering_field(steer)
+        return _post(real_engine, body)
+
+    with ThreadPoolExecutor(len(cases)) as pool:
+        responses = list(pool.map(run, cases))
+    for (prompt, cap, steer), r in zip(cases, responses, strict=True):
+        assert r.status_code == 200, r.text
+        doc = r.json()
+        if cap is None:
+            assert "capture" not in doc
+            continue
+        generated = parse_completion(doc).tokens
+        stream = reference_stream(real_model, prompt + generated[:-1], steer, SITES)
+        got = decode_capture(doc["capture"])
+        for site in SITES:
+            want = expected_capture(stream[site], len(prompt), cap["tokens"], reduce)
+            err = rel_err(got[(0, *site)], want)
+            assert err <= TOL, (cap["tokens"], site, err)
