@@ -125,11 +125,12 @@ def rewrite(doc: dict[str, Any], runtime: SteeringRuntime) -> Resolution:
     if steering is not None and steering.terms:  # before a latch is stored
         refuse_inexact(doc, steering.phase)
     resolution = resolve_turn(
-        steering, conversation_id, runtime.registry, runtime.controller, expect
+        steering, conversation_id, runtime.registry, runtime.controller, expect,
+        runtime.max_clamps,
     )
     if resolution.applied:
         refuse_inexact(doc, resolution.phase)  # bridged/restored turns
-        payload, digest = encode_payload(resolution.phase, resolution.sites)
+        payload, digest = encode_payload(resolution.phase, resolution.sites, resolution.clamps)
         doc["vllm_xargs"] = {**(doc.get("vllm_xargs") or {}), XARGS_KEY: payload}
         doc["cache_salt"] = salted(doc.get("cache_salt"), digest, resolution.phase, doc)
     return resolution
@@ -157,8 +158,8 @@ def parse_expect(value: Any, shape: ModelShape) -> Expect | None:
             restore = decode_spec(value["restore"])
         except SpecError as exc:
             raise InvalidField(f"{param}.restore", f"'{param}.restore' {exc}") from exc
-        for hook, layer in restore.sites:
-            vec = restore.sites[(hook, layer)]
+        clamp_sites = [(site, vec) for c in restore.clamps for site, vec in c.sites.items()]
+        for (_hook, layer), vec in [*restore.sites.items(), *clamp_sites]:
             if not 0 <= layer < shape.num_layers or vec.shape != (shape.hidden_size,):
                 raise InvalidField(
                     f"{param}.restore", f"'{param}.restore' does not fit the served model"

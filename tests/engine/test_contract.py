@@ -114,6 +114,7 @@ class _Layer(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.self_attn = nn.Identity()
+        self.post_attention_layernorm = nn.Identity()  # where post_attn clamps read the stream
 
 
 class _Model(nn.Module):

@@ -1,0 +1,124 @@
+"""The steergate::clamp op and its per-slot tables, on CPU without vLLM."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from steergate.engine.payload import decode_payload, encode_payload
+from steergate.engine.worker import op
+from steergate.engine.worker.clamp import torch_clamp
+from steergate.engine.worker.layers import find_decoder_layers, wrap_layers
+from steergate.engine.worker.tables import SteeringTables, StepRequest
+from steergate.shared.clamp import Bounds, Resolved
+
+from .test_steering_op import H, _Model
+
+
+def _payload(sites=None, clamps=()):
+    return decode_payload(encode_payload("all", sites or {}, tuple(clamps))[0])
+
+
+def _e(i: int) -> np.ndarray:
+    return np.eye(H, dtype=np.float32)[i]
+
+
+def _numpy_clamp(h: np.ndarray, entries) -> np.ndarray:
+    h = h.astype(np.float64).copy()
+    for v, lo, hi, s in entries:
+        c = h @ v
+        h += s * (np.clip(c, lo, hi) - c) * v
+    return h
+
+
+def test_body_matches_the_definition_in_order_with_unused_entries_as_no_ops() -> None:
+    rng = np.random.default_rng(0)
+    k, slots, n = 3, 3, 5
+    dirs = torch.zeros(slots, k, H)
+    bounds = torch.tensor([[-math.inf, math.inf, 0.0]]).repeat(slots, k, 1)
+    v1 = rng.normal(size=H).astype(np.float32)
+    v1 /= np.linalg.norm(v1)
+    v2 = rng.normal(size=H).astype(np.float32)
+    v2 /= np.linalg.norm(v2)
+    dirs[1, 0], bounds[1, 0] = torch.from_numpy(v1), torch.tensor([-0.5, 0.25, 1.0])
+    dirs[1, 1], bounds[1, 1] = torch.from_numpy(v2), torch.tensor([1.0, math.inf, 0.5])
+    dirs[2, 0], bounds[2, 0] = torch.from_numpy(v2), torch.tensor([0.0, 0.0, 1.0])
+    hidden = torch.from_numpy(rng.normal(size=(n, H)).astype(np.float32))
+    residual = torch.from_numpy(rng.normal(size=(n, H)).astype(np.float32))
+    index = torch.tensor([0, 1, 2, 1, 0, 0, 0])
+    stream = (hidden + residual).numpy()
+    out = hidden.clone()
+    torch_clamp(out, residual, dirs, bounds, index)
+    got = (out + residual).numpy()
+    want = {0: stream[0], 4: stream[4],
+            1: _numpy_clamp(stream[1], [(v1, -0.5, 0.25, 1.0), (v2, 1.0, math.inf, 0.5)]),
+            3: _numpy_clamp(stream[3], [(v1, -0.5, 0.25, 1.0), (v2, 1.0, math.inf, 0.5)]),
+            2: _numpy_clamp(stream[2], [(v2, 0.0, 0.0, 1.0)])}
+    for t, row in want.items():
+        np.testing.assert_allclose(got[t], row, rtol=0, atol=1e-5)
+    assert torch.equal(out[0], hidden[0]) and torch.equal(out[4], hidden[4])  # untouched bits
+    assert abs(float(got[2] @ v2)) < 1e-5  # ablated
+
+
+def _tables(layers=(0, 1), k=2) -> SteeringTables:
+    return SteeringTables(hidden_size=H, layers=list(layers), num_slots=4, max_tokens=8,
+                          max_clamps=k)
+
+
+def test_slot_writes_entries_per_point_in_order_and_release_restores_no_ops() -> None:
+    t = _tables()
+    clamps = [Resolved(("post_block", 0), _e(0), Bounds(None, 1.0, 0.5)),
+              Resolved(("pre_attn", 1), _e(1), Bounds(0.0, 0.0))]  # same point
+    t.add_request("r", _payload(clamps=clamps))
+    t.fill([StepRequest("r", 0, 1, 0, 1)], 1)
+    slot = int(t.index[0])
+    table = t.clamps[("pre_attn", 1)]
+    assert table is t.clamps[("post_block", 0)]
+    assert torch.equal(table.dirs[slot, 0], torch.from_numpy(_e(0)))
+    assert torch.equal(table.dirs[slot, 1], torch.from_numpy(_e(1)))
+    assert table.bounds[slot].tolist() == [[-math.inf, 1.0, 0.5], [0.0, 0.0, 1.0]]
+    assert table.dirs.data_ptr() in op._LIVE_TABLES
+    t.remove_request("r")
+    assert not table.dirs.any() and table.dirs.data_ptr() not in op._LIVE_TABLES
+    assert table.bounds[slot].tolist() == [[-math.inf, math.inf, 0.0]] * 2
+
+
+def test_no_clamp_tables_when_the_cap_is_zero() -> None:
+    t = _tables(k=0)
+    assert all(v is None for v in t.clamps.values())
+
+
+def _run(sites=None, clamps=()) -> torch.Tensor:
+    model = _Model()
+    layers, present = find_decoder_layers(model)
+    t = _tables(layers=present)
+    wrap_layers(layers, present, t)
+    t.add_request("a", _payload(sites, clamps))
+    t.fill([StepRequest("a", 0, 1, 0, 1)], 1)
+    x = torch.zeros(1, H)
+    x[0, 0], x[0, 1] = 1.0, 2.0
+    out = model(x)
+    t.remove_request("a")
+    return out[0]
+
+
+def test_wrapped_model_clamps_at_each_named_point_after_the_add() -> None:
+    """_Model: stream s -> post_attn 3s -> post_block 6s per layer (linear), so a clamp's
+    effect on component 0 is visible in the output; components 1.. are untouched."""
+    assert _run().tolist()[:2] == [36.0, 72.0]
+    # post_attn 0: component 0 is 3 there; clamped to 1 -> 1 * 2 * 6 = 12.
+    assert _run(clamps=[Resolved(("post_attn", 0), _e(0), Bounds(None, 1.0))])[0] == 12.0
+    # add 1 then clamp at post_block 0 (6 + 1 = 7 -> max 5): 5 * 6 = 30.
+    add = {("post_block", 0): _e(0)}
+    assert _run(add, [Resolved(("post_block", 0), _e(0), Bounds(None, 5.0))])[0] == 30.0
+    # pre_attn 1 is the same point: the add of post_block 0 comes first, then the clamp.
+    assert _run(add, [Resolved(("pre_attn", 1), _e(0), Bounds(None, 5.0))])[0] == 30.0
+    # strength interpolates: 7 + 0.25 * (5 - 7) = 6.5 -> 39.
+    assert _run(add, [Resolved(("post_block", 0), _e(0), Bounds(None, 5.0, 0.25))])[0] == 39.0
+    # pre_attn 0 ablation zeroes the component for the whole model; the other stays.
+    out = _run(clamps=[Resolved(("pre_attn", 0), _e(0), Bounds(0.0, 0.0))])
+    assert out.tolist()[:2] == [0.0, 72.0]
+    # a lower bound lifts: post_block 1's component 36 -> min 40.
+    assert _run(clamps=[Resolved(("post_block", 1), _e(0), Bounds(40.0, None))])[0] == 40.0
