@@ -22,7 +22,8 @@ import numpy as np
 
 from steergate.shared.clamp import ClampItem, decode_items, encode_items, update_latch_digest
 from steergate.shared.codecs import b64_to_f32, f32_to_b64
-from steergate.shared.steering import HOOKS, PHASES, InlineTerm, NamedTerm
+from steergate.shared.positions import is_phase
+from steergate.shared.steering import HOOKS, InlineTerm, NamedTerm
 
 Site = tuple[str, int]  # (hook, layer)
 Ref = tuple[str, str, float]  # (engine-side vector name, digest, scale)
@@ -97,7 +98,7 @@ def decode_spec(text: str | bytes | Any) -> LatchSpec:
         if not isinstance(doc, dict) or doc.get("v") != VERSION:
             raise SpecError("unsupported latch spec")
         phase = doc["phase"]
-        if phase not in PHASES:
+        if not is_phase(phase):
             raise SpecError("bad phase")
         sites: dict[Site, np.ndarray] = {}
         for hook, layer, data in doc["sites"]:

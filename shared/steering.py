@@ -27,6 +27,7 @@ from steergate.shared.codecs import (
     decode_packed_bytes,
 )
 from steergate.shared.errors import InvalidField
+from steergate.shared.positions import parse_tokens
 
 HOOKS: tuple[str, ...] = ("pre_attn", "post_attn", "post_block")
 PHASES: tuple[str, ...] = ("all", "prefill", "decode")
@@ -102,10 +103,16 @@ def parse_steering(obj: Any, shape: ModelShape | None, param: str = "steering") 
     (lengths and layer ranges are then left to whoever knows the model)."""
     if not isinstance(obj, dict):
         raise InvalidField(param, f"'{param}' must be an object")
-    _reject_unknown(obj, {"vectors", "phase", "latch"}, param)
+    _reject_unknown(obj, {"vectors", "phase", "latch", "tokens"}, param)
     phase = obj.get("phase", "all")
     if phase not in PHASES:
         raise InvalidField(f"{param}.phase", f"'{param}.phase' must be one of {', '.join(PHASES)}")
+    if "tokens" in obj:  # shared/positions.py: phase is its shorthand
+        if "phase" in obj:
+            raise InvalidField(
+                f"{param}.tokens", f"'{param}.tokens' and '{param}.phase' exclude each other"
+            )
+        phase = parse_tokens(obj["tokens"], f"{param}.tokens")
     latch = obj.get("latch", False)
     if not isinstance(latch, bool):
         raise InvalidField(f"{param}.latch", f"'{param}.latch' must be a boolean")

@@ -38,6 +38,7 @@ from steergate.engine.payload import Payload
 from steergate.engine.worker import op
 from steergate.engine.worker.clamp import ClampTable
 from steergate.shared.clamp import DEFAULT_MAX_CLAMPS_PER_SITE
+from steergate.shared.positions import window
 
 HOOKS: tuple[str, ...] = ("pre_attn", "post_attn", "post_block")
 Site = tuple[str, int]
@@ -169,7 +170,10 @@ class SteeringTables:
         """Point every token of this step at its request's slot (or row 0), by phase.
 
         A token at position p is a prompt token iff p < num_prompt_tokens; phase
-        ``prefill`` steers prompt tokens, ``decode`` the others, ``all`` both."""
+        ``prefill`` steers prompt tokens, ``decode`` the others, ``all`` both, and a
+        ``steering.tokens`` selection the positions it names (shared/positions.py).
+        Positions come from num_computed_tokens, so chunked prefill, prefix-cache hits
+        and recomputation after preemption select the same positions."""
         steered = [r for r in batch if r.req_id in self._payloads]
         if not steered and self._filled_hi == 0:
             return  # fast path: nothing steered now or in the previous step
@@ -182,15 +186,15 @@ class SteeringTables:
         for r in steered:
             payload = self._payloads[r.req_id]
             slot = self._slot_for(payload, in_batch)
-            lo, up = r.start, r.end
-            n_prompt = min(max(r.num_prompt_tokens - r.first_pos, 0), up - lo)
-            if payload.phase == "prefill":
-                up = lo + n_prompt
-            elif payload.phase == "decode":
-                lo = lo + n_prompt
-            if up > lo:
-                idx[lo:up] = slot
-                hi = max(hi, up)
+            # Position p of this request is token start + (p - first_pos); the
+            # selection is two position intervals (shared/positions.py).
+            shift = r.start - r.first_pos
+            for lo_p, hi_p in window(payload.phase).spans(r.num_prompt_tokens):
+                lo = max(r.start, lo_p + shift)
+                up = r.end if hi_p is None else min(r.end, hi_p + shift)
+                if up > lo:
+                    idx[lo:up] = slot
+                    hi = max(hi, up)
         copy_hi = max(hi, self._filled_hi)
         self._filled_hi = hi
         if self._host is not self.index and copy_hi:

@@ -175,6 +175,17 @@ def _point_hooks(
     return handles
 
 
+def position_mask(phase: str, n_prompt: int, length: int) -> torch.Tensor:
+    """1.0 at the positions a phase (or ``steering.tokens`` selection) steers."""
+    from steergate.shared.positions import window
+
+    pos = torch.arange(length)
+    (p_lo, p_hi), (g_lo, g_hi) = window(phase).spans(n_prompt)
+    prompt = (pos >= p_lo) & (pos < p_hi)
+    gen = (pos >= g_lo) & (pos < (length if g_hi is None else g_hi))
+    return (prompt | gen).to(torch.float32)
+
+
 def _greedy(
     model: Any, prompt: Sequence[int], phase: str, max_tokens: int,
     mask_box: list[torch.Tensor], handles: list[Any],
@@ -185,11 +196,7 @@ def _greedy(
         logprobs: list[float] = []
         with torch.no_grad():
             for _ in range(max_tokens):
-                pos = torch.arange(len(ids))
-                is_prompt = pos < n_prompt
-                steer = {"all": torch.ones_like(is_prompt), "prefill": is_prompt,
-                         "decode": ~is_prompt}[phase]
-                mask_box[:] = [steer.to(torch.float32)]
+                mask_box[:] = [position_mask(phase, n_prompt, len(ids))]
                 logits = model(torch.tensor([ids])).logits[0, -1].to(torch.float64)
                 lp = torch.log_softmax(logits, dim=-1)
                 tok = int(torch.argmax(logits))

@@ -122,3 +122,28 @@ def test_wrapped_model_clamps_at_each_named_point_after_the_add() -> None:
     assert out.tolist()[:2] == [0.0, 72.0]
     # a lower bound lifts: post_block 1's component 36 -> min 40.
     assert _run(clamps=[Resolved(("post_block", 1), _e(0), Bounds(40.0, None))])[0] == 40.0
+
+
+def test_fill_selects_positions_exactly_under_chunks_and_cache_hits() -> None:
+    """10 prompt tokens, steering the last 3 prompt tokens and the generated tokens
+    from the second on (positions 7, 8, 9, 11, 12, 13 of 14). However the positions are
+    split into steps (chunked prefill, a prefix-cache hit skipping the first 6, decode
+    one by one, a preempted request recomputed), exactly those positions read the slot."""
+    from steergate.shared.positions import parse_tokens
+
+    phase = parse_tokens({"prompt": {"last": 3}, "generated": {"from": 1}}, "t")
+    want = {7, 8, 9, 11, 12, 13}
+    for chunks in ([(0, 10), (10, 11), (11, 12), (12, 13), (13, 14)],
+                   [(0, 4), (4, 8), (8, 10), (10, 14)],
+                   [(6, 10), (10, 11), (11, 12), (12, 13), (13, 14)]):
+        t = SteeringTables(hidden_size=H, layers=[0, 1], num_slots=4, max_tokens=16)
+        t.add_request("r", decode_payload(encode_payload(phase, {("post_block", 0): _e(0)})[0]))
+        steered = set()
+        for first, end in chunks:
+            # another request's 2 tokens come first in the flattened batch
+            t.fill([StepRequest("r", 2, 2 + end - first, first, 10)], 2 + end - first)
+            for i in range(end - first):
+                if int(t.index[2 + i]):
+                    steered.add(first + i)
+            assert not t.index[:2].any()
+        assert steered == want, chunks
