@@ -57,6 +57,10 @@ def build_env(base: Mapping[str, str]) -> dict[str, str]:
     # vLLM loads endpoint plugins only when they are named here.
     env["VLLM_PLUGINS"] = "steergate"
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)
+    # Idle keep-alive connections outlive the gateway's pool TTL (gateway/http1.py,
+    # IDLE_TTL_S = 4 s) by a wide margin, so the engine never closes a connection the
+    # gateway may be writing a POST to (uvicorn's default is 5 s).
+    env.setdefault("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "30")
     # The V1 model runner is the default everywhere: it is the one steering has run on
     # end to end. On GPUs with Triton vLLM 0.32 would pick V2, whose adapter is only
     # unit-tested so far, so V2 is opt-in: an operator's VLLM_USE_V2_MODEL_RUNNER=1 is

@@ -1,10 +1,16 @@
 """Settlement, off the hot path: finished requests are queued and flushed every few
 milliseconds as one pipeline of settle_request.lua calls.
 
-A settlement releases the concurrency lease, corrects the token reservation to the
-engine's reported ``usage``, counts the status class, and fixes latch accounting from
-the engine's ``x-steering-latch`` answer. The loop does Redis work only (no engine I/O),
-so one tenant's settlements never wait on another's engine calls.
+A finished request's lease stops counting against concurrency at once: its id is kept
+(:meth:`Leases.finish`) and released by the next admission of its tenant on this gateway,
+inside that same admit_request.lua call (no extra round trip). Its settlement, which
+under load lands about one request-duration later, then charges it exactly once.
+
+A settlement releases the concurrency lease (if no admission did first), corrects the
+token reservation to the engine's reported ``usage``, counts the status class, and
+fixes latch accounting from the engine's ``x-steering-latch`` answer. The loop does
+Redis work only (no engine I/O), so one tenant's settlements never wait on another's
+engine calls.
 
 Leases cannot strand (docs/operations.md, "Recovery bounds"):
 
@@ -47,6 +53,12 @@ LEASE_TTL_S = 30.0
 EXPIRY_GRACE_MS = 2000
 #: How often the Redis clock is read for admission deadlines.
 CLOCK_EVERY_S = 60.0
+#: Finished leases one admission releases at most (the rest wait for the next one, or
+#: for their settlement).
+RELEASE_PER_ADMISSION = 64
+#: Finished leases kept per tenant awaiting an admission; past it the oldest are left
+#: to their settlement (a tenant that stopped sending needs no early release).
+MAX_FINISHED = 1024
 
 
 @dataclass(frozen=True)
@@ -128,6 +140,9 @@ class Leases:
         self.offset_ms = 0
         self._clock_read_at = -CLOCK_EVERY_S
         self._live: dict[str, _Live] = {}
+        #: Per tenant: lease ids of requests whose answer ended, settlement not yet
+        #: applied (an insertion-ordered dict as an ordered set).
+        self._finished: dict[str, dict[str, None]] = {}
         self.renewals = 0  # figures for tests
         self.lost = 0
 
@@ -146,6 +161,33 @@ class Leases:
         """Stop renewing; the lease's last known expiry (our clock)."""
         live = self._live.pop(adm.lease_id, None)
         return live.expiry_ms if live is not None else adm.lease_expiry_ms
+
+    def finish(self, adm: Admission) -> None:
+        """``adm``'s answer ended: the next admission of its tenant releases its lease."""
+        done = self._finished.setdefault(adm.tenant.id, {})
+        done[adm.lease_id] = None
+        if len(done) > MAX_FINISHED:
+            del done[next(iter(done))]
+
+    def take_finished(self, tenant_id: str) -> list[str]:
+        """Finished lease ids for an admission of ``tenant_id`` to release (forgotten
+        here: if that admission fails, their settlement releases them)."""
+        done = self._finished.get(tenant_id)
+        if not done:
+            return []
+        if len(done) <= RELEASE_PER_ADMISSION:
+            del self._finished[tenant_id]
+            return list(done)
+        ids = [done.popitem()[0] for _ in range(RELEASE_PER_ADMISSION)]  # newest first
+        return ids
+
+    def settled(self, tenant_id: str, lease_id: str) -> None:
+        """Its settlement reached Redis: nothing left to release early."""
+        done = self._finished.get(tenant_id)
+        if done is not None:
+            done.pop(lease_id, None)
+            if not done:
+                del self._finished[tenant_id]
 
     def __len__(self) -> int:
         return len(self._live)
@@ -249,6 +291,7 @@ class Settler:
             self.on_outcome(outcome)
         if outcome.admission.unmetered:
             return
+        self.leases.finish(outcome.admission)
         self._enqueue(_Item(outcome, self.leases.release(outcome.admission)))
 
     def cancel(self, adm: Admission) -> None:
@@ -367,7 +410,13 @@ class Settler:
         except Exception as exc:  # noqa: BLE001 - Redis down, hung, or restarting
             log.warning("settlement of %d failed (%s); retrying", len(batch), type(exc).__name__)
             results = [exc] * len(batch)
-        failed = [i for i, r in zip(batch, results, strict=True) if isinstance(r, Exception)]
+        failed = []
+        for item, r in zip(batch, results, strict=True):
+            if isinstance(r, Exception):
+                failed.append(item)
+            else:
+                a = item.outcome.admission
+                self.leases.settled(a.tenant.id, a.lease_id)
         if not failed:
             return []
         at = now_ms()

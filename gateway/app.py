@@ -104,7 +104,12 @@ def build_services(
     )
     # Settlement is Redis work only: a latch Redis no longer holds is never bridged by an
     # engine (steergate_expect), and the engine sync deletes its copy.
-    settler = Settler(redis, scripts, lease_ttl_s=settings.lease_ttl_s)
+    settler = Settler(
+        redis,
+        scripts,
+        lease_ttl_s=settings.lease_ttl_s,
+        flush_interval_s=settings.settle_interval_s,
+    )
     return Services(
         settings=settings,
         redis=redis,

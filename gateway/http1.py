@@ -38,6 +38,12 @@ import httptools
 HIGH_WATER = 256 * 1024
 #: Idle keep-alive connections kept per origin (more are closed on release).
 MAX_IDLE = 64
+#: An idle connection older than this is closed instead of reused. It must stay below
+#: the engine's keep-alive timeout (uvicorn's default, vLLM's
+#: ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, is 5 s; ``steergate engine`` sets 30 s): a POST
+#: written just as the engine closes an idle connection may have been read, so it cannot
+#: be resent, and the client would get a 502 for a request the engine never served.
+IDLE_TTL_S = 4.0
 #: Open connections (connecting, in use or idle) per origin, unless the Client is told
 #: otherwise; a request beyond it waits (FIFO) up to the connect timeout.
 MAX_CONNECTIONS = 256
@@ -113,6 +119,8 @@ class _Conn(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.loop = pool.loop
         self.reused = False
+        #: loop.time() when it last went idle (see IDLE_TTL_S).
+        self.idle_since = 0.0
         #: Counted against the pool's cap until it closes (set once connected).
         self.slot = False
         self.paused = False
@@ -341,9 +349,10 @@ class _Pool:
         """A connection for one exchange; ``fresh``: never one that sat idle."""
         if not self.waiters:
             if not fresh:
+                stale = self.loop.time() - IDLE_TTL_S
                 while self.idle:
                     conn = self.idle.pop()
-                    if conn.usable():
+                    if conn.usable() and conn.idle_since > stale:
                         conn._reset()
                         conn.reused = True
                         return conn
@@ -421,6 +430,7 @@ class _Pool:
             conn.reused = True
             waiter.set_result(conn)
         elif len(self.idle) < MAX_IDLE:
+            conn.idle_since = self.loop.time()
             self.idle.append(conn)
         else:
             conn._close()

@@ -113,6 +113,13 @@ def key_gcra(tenant_id: str, key_id: str) -> str:
     return _t(tenant_id, f"key:{key_id}:gcra")
 
 
+def leases_done(tenant_id: str) -> str:
+    """ZSET lease_id -> expiry ms: leases of finished requests, released from
+    :func:`leases` (no longer counted against concurrency) before their settlement
+    reached Redis; the settlement still finds them there to charge exactly once."""
+    return _t(tenant_id, "leases:done")
+
+
 def key_leases(tenant_id: str, key_id: str) -> str:
     """ZSET lease_id -> expiry ms: one API key's in-flight requests (per-key
     ``max_concurrency``)."""
@@ -188,6 +195,7 @@ def admit_keys(tenant_id: str, minute: int, key_id: str = "") -> tuple[str, ...]
         usage_month(tenant_id, utc_month(now_s)),
         key_gcra(tenant_id, key_id),
         key_leases(tenant_id, key_id),
+        leases_done(tenant_id),
     )
 
 
@@ -215,6 +223,7 @@ def all_tenant_keys(tenant_id: str, now_minute: int) -> list[str]:
         gcra_requests(tenant_id),
         gcra_tokens(tenant_id),
         leases(tenant_id),
+        leases_done(tenant_id),
         usage_total(tenant_id),
         latches(tenant_id),
         latch_info(tenant_id),

@@ -222,6 +222,8 @@ class Limiter:
             if self.settler is not None and self.deadline_s > 0
             else 0
         )
+        # Leases of this tenant's finished requests, released by this same call.
+        finished = self.settler.leases.take_finished(tenant.id) if self.settler else []
         args = [
             now_ms,
             lim.rpm,
@@ -249,6 +251,8 @@ class Limiter:
             keys.USAGE_DAY_TTL_S,
             len(vector_names or ()),
             *(vector_names or ()),
+            len(finished),
+            *finished,
         ]
         try:
             async with store_errors():

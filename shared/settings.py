@@ -115,6 +115,14 @@ class GatewaySettings(BaseSettings):
         description="Concurrency lease lifetime; renewed while the request runs, so it "
         "bounds only how long a lease outlives a dead gateway or a lost admission.",
     )
+    settle_interval_s: float = Field(
+        default=0.002,
+        ge=0,
+        le=5,
+        description="How long finished requests' settlements gather before one pipeline "
+        "writes them to Redis. Longer: fewer, larger writes and later usage figures; a "
+        "finished request's concurrency slot is free at its tenant's next admission anyway.",
+    )
     header_timeout_s: float = Field(
         default=10.0,
         gt=0,

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import os
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
+# realpath: reached through a symlink (the test harness's view of a checkout, see
+# tests/harness.py ``installed_env``), the folders are found beside the real file.
+_HERE = os.path.dirname(os.path.realpath(__file__))
 _CHECKOUT = os.path.dirname(_HERE)
 if not os.path.isdir(os.path.join(_HERE, "gateway")) and os.path.isfile(
     os.path.join(_CHECKOUT, "gateway", "__init__.py")

@@ -1,17 +1,21 @@
 """Real processes for tests: a Redis server and a vLLM CPU engine on free loopback
-ports. Tests can stop and restart them to prove failure behaviour."""
+ports. Tests can stop and restart them to prove failure behaviour. Every steergate
+command a test starts (gateway, engine, up, the admin CLI) is started here, as installed
+(see "The installed product" below)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -50,6 +54,96 @@ def aredis_client(url: str, **kwargs: object):  # -> redis.asyncio.Redis | Redis
     if "+cluster://" in url:
         return RedisCluster.from_url(url.replace("+cluster", "", 1), **kwargs)
     return aioredis.Redis.from_url(url, **kwargs)
+
+
+# -- The installed product ------------------------------------------------------------
+#
+# The end-to-end, browser and CLI tests start what a user starts: the console script
+# ``steergate`` installed beside this interpreter, from a temporary folder outside the
+# checkout, without the test run's PYTHONPATH. From inside the checkout (pytest's cwd,
+# or the checkout on PYTHONPATH) top-level ``gateway``/``engine``/``shared`` packages are
+# importable, so a file found only through them works in tests and fails for every user
+# (issue 23: the dashboard read ``resources.files("gateway")``, a 500 once installed).
+#
+# Which code the commands run: CI installs the clone under test (``make install``,
+# editable), so the installed package *is* this checkout and the child gets no
+# PYTHONPATH at all. A developer's second checkout (a git worktree sharing that venv)
+# is not what the venv's editable install points at: running it as is would test the
+# other checkout's code, and putting this checkout on PYTHONPATH would hide the bug
+# again. So, only when the installed ``steergate`` is not this checkout's, the child's
+# PYTHONPATH is a temporary folder holding nothing but a ``steergate`` symlink to this
+# checkout's package: ``steergate.*`` resolves to this checkout (steergate/__init__.py
+# adds the folders beside it to the package path), and no top-level name does.
+
+
+def steergate_bin() -> str:
+    """The installed console script (``<venv>/bin/steergate``)."""
+    exe = Path(sysconfig.get_path("scripts")) / "steergate"
+    if not exe.is_file():
+        raise RuntimeError(f"{exe} is missing: install the project first (make install)")
+    return str(exe)
+
+
+@functools.cache
+def run_dir() -> str:
+    """The working folder of every started command: empty, outside the checkout."""
+    return tempfile.mkdtemp(prefix="sg-run-")
+
+
+@functools.cache
+def _installed_is_this_checkout() -> bool:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run(
+        [sys.executable, "-c", "import os, steergate; print(os.path.realpath(steergate.__file__))"],
+        env=env, cwd=run_dir(), capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return Path(out.stdout.strip()).parent.parent == ROOT
+
+
+@functools.cache
+def _source_shim() -> str:
+    shim = Path(tempfile.mkdtemp(prefix="sg-src-"))
+    (shim / "steergate").symlink_to(ROOT / "steergate", target_is_directory=True)
+    return str(shim)
+
+
+def installed_env(
+    extra: Mapping[str, str] | None = None, base: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The environment of a started command: ``base`` (default: this process's) minus
+    PYTHONPATH (see above), plus ``extra``."""
+    env = {k: v for k, v in (os.environ if base is None else base).items() if k != "PYTHONPATH"}
+    if not _installed_is_this_checkout():
+        env["PYTHONPATH"] = _source_shim()
+    env.update(extra or {})
+    return env
+
+
+def steergate_popen(
+    argv: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    *,
+    base_env: Mapping[str, str] | None = None,
+    **kw: object,
+) -> subprocess.Popen:
+    """``steergate <argv>`` as installed, from :func:`run_dir`; ``env``, ``base_env``:
+    :func:`installed_env`'s ``extra`` and ``base``; ``kw``: ``subprocess.Popen``'s."""
+    return subprocess.Popen(  # type: ignore[call-overload, no-any-return]
+        [steergate_bin(), *argv], cwd=run_dir(), env=installed_env(env, base_env), **kw
+    )
+
+
+def steergate_run(
+    argv: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    *,
+    base_env: Mapping[str, str] | None = None,
+    **kw: object,
+) -> subprocess.CompletedProcess:
+    """:func:`steergate_popen`, run to completion (``subprocess.run``'s keywords)."""
+    return subprocess.run(  # type: ignore[call-overload, no-any-return]
+        [steergate_bin(), *argv], cwd=run_dir(), env=installed_env(env, base_env), **kw
+    )
 
 
 def free_port() -> int:
@@ -177,11 +271,7 @@ def tiny_model_dir() -> Path:
     """The tiny model, generated once per cache folder (deterministic)."""
     path = CACHE / "tiny-model"
     if not (path / "config.json").exists():
-        subprocess.run(
-            [sys.executable, "-m", "steergate.cli", "tiny-model", str(path)],
-            check=True,
-            cwd=ROOT,
-        )
+        steergate_run(["tiny-model", str(path)], check=True)
     return path
 
 
@@ -221,29 +311,13 @@ class EngineProcess:
         return {"Authorization": f"Bearer {self.token}"}
 
     def start(self, timeout: float = 400.0) -> EngineProcess:
-        env = {
-            **os.environ,
-            "STEERGATE_ENGINE_TOKEN": self.token,
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            **self.env,
-        }
+        env = {"STEERGATE_ENGINE_TOKEN": self.token, "VLLM_CPU_KVCACHE_SPACE": "1", **self.env}
         CACHE.mkdir(parents=True, exist_ok=True)
         self.log_path = CACHE / f"engine-{self.port}.log"
         log = open(self.log_path, "ab")  # a restart appends
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "steergate.cli",
-                "engine",
-                "--model",
-                str(self.model),
-                "--port",
-                str(self.port),
-                *self.extra_args,
-            ],
-            cwd=ROOT,
-            env=env,
+        self.proc = steergate_popen(
+            ["engine", "--model", str(self.model), "--port", str(self.port), *self.extra_args],
+            env,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -293,10 +367,9 @@ class GatewayProcess:
         CACHE.mkdir(parents=True, exist_ok=True)
         self.log_path = CACHE / f"gateway-{self.port}.log"
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "steergate.cli", "gateway", "--port", str(self.port)],
-            cwd=ROOT,
-            env={**os.environ, **self.env},
+        self.proc = steergate_popen(
+            ["gateway", "--port", str(self.port)],
+            self.env,
             stdout=log,
             stderr=subprocess.STDOUT,
         )

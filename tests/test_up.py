@@ -11,7 +11,6 @@ import re
 import shlex
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -24,7 +23,7 @@ import psutil
 import pytest
 
 from steergate.engine.real_model import MODEL_NAME
-from tests.harness import CACHE, ROOT, free_port, real_model_dir
+from tests.harness import CACHE, free_port, real_model_dir, steergate_popen
 
 pytestmark = pytest.mark.engine
 
@@ -72,10 +71,10 @@ def _start(tmp: Path) -> Up:
     env["STEERGATE_HOME"] = str(home)
     port = free_port()
     stderr_path = tmp / "up.stderr"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "steergate.cli", "up", "--port", str(port)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=open(stderr_path, "w"), text=True,
-    )
+    proc = steergate_popen(
+        ["up", "--port", str(port)], base_env=env,
+        stdout=subprocess.PIPE, stderr=open(stderr_path, "w"), text=True,
+    )  # fmt: skip
     handle = Up(proc, port, stderr_path)
 
     def read() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import shlex
 import socket
 import subprocess
@@ -19,6 +18,7 @@ import pytest
 
 from steergate.cli import up
 from steergate.shared.settings import GatewaySettings
+from tests.harness import steergate_run
 
 # A leader that starts two grandchildren, one of which ignores SIGTERM (as a
 # wedged vLLM worker might), then waits.
@@ -117,11 +117,10 @@ def test_up_refuses_a_taken_port_before_starting_the_engine(tmp_path: Path) -> N
         taken.listen()
         port = taken.getsockname()[1]
         started = time.monotonic()
-        out = subprocess.run(
-            [sys.executable, "-m", "steergate.cli", "up", "--port", str(port)],
+        out = steergate_run(
+            ["up", "--port", str(port)], {"STEERGATE_HOME": str(tmp_path)},
             capture_output=True, text=True, timeout=60,
-            env={**os.environ, "STEERGATE_HOME": str(tmp_path)},
-        )
+        )  # fmt: skip
     assert out.returncode == 1
     assert f"127.0.0.1:{port} is in use" in out.stderr
     assert time.monotonic() - started < 30

@@ -1,6 +1,7 @@
 -- admit_request.lua: the whole admission decision for one inference request, atomically,
 -- in one round trip: concurrency lease, requests/min and tokens/min (GCRA), latch quota.
--- Nothing is written unless the request is admitted (except the 429 usage counter).
+-- Nothing is written unless the request is admitted (except the 429 usage counter and
+-- the release of this gateway's finished leases, ARGV[26+N..]).
 --
 -- KEYS[1] gcra:req (TAT ms)   KEYS[2] gcra:tok (TAT ms)   KEYS[3] leases (ZSET id -> expiry ms)
 -- KEYS[4] usage minute hash   KEYS[5] usage total hash
@@ -26,6 +27,11 @@
 -- ARGV[25] number of named vectors N   ARGV[26..25+N] their names
 -- KEYS[11] usage day (rollup hash)   KEYS[12] usage month (rollup hash)
 -- KEYS[13] the key's own GCRA (TAT ms)   KEYS[14] the key's leases (ZSET id -> admit ms)
+-- KEYS[15] finished leases (ZSET id -> expiry ms): released, settlement not yet run
+-- ARGV[26+N] number of finished lease ids M   ARGV[27+N..26+N+M] lease ids of this
+--          tenant's requests whose answers ended on this gateway, settlement not yet
+--          applied: released here, before concurrency is counted, whatever the decision
+--          (moved to KEYS[15], where settle_request.lua still finds them to charge once).
 -- Returns {status, retry_ms, req_remaining, req_reset_ms, tok_remaining, tok_reset_ms,
 --          latch_info of the conversation before this request ("" if none),
 --          N digests of the named vectors ("" where the tenant has no such vector),
@@ -50,6 +56,27 @@ if deadline > 0 then
   end
 end
 local now = tonumber(ARGV[1])
+
+-- Finished requests stop counting now, not when their batched settlement lands (which
+-- under load comes about one request-duration later). Their ids move to KEYS[15] with
+-- their expiry, so a settlement lost with its gateway is swept there by TTL too.
+local n_vec = tonumber(ARGV[25] or "0")
+local n_done = tonumber(ARGV[26 + n_vec] or "0")
+if n_done > 0 then
+  local latest = 0
+  for i = 27 + n_vec, 26 + n_vec + n_done do
+    local score = redis.call("ZSCORE", KEYS[3], ARGV[i])
+    if score and tonumber(score) > now then
+      redis.call("ZREM", KEYS[3], ARGV[i])
+      redis.call("ZADD", KEYS[15], tonumber(score), ARGV[i])
+      if tonumber(score) > latest then latest = tonumber(score) end
+    end
+  end
+  redis.call("ZREMRANGEBYSCORE", KEYS[15], "-inf", now)
+  if latest > 0 and redis.call("PTTL", KEYS[15]) < latest - now + 1000 then
+    redis.call("PEXPIRE", KEYS[15], latest - now + 1000)
+  end
+end
 local rpm, tpm, cost = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local conv, want_latch = ARGV[8], ARGV[9] == "1"
 
@@ -87,8 +114,7 @@ local prev = ""
 if conv ~= "" then prev = redis.call("HGET", KEYS[7], conv) or "" end
 
 local function named_digests(out)
-  local n_names = tonumber(ARGV[25] or "0")
-  for i = 1, n_names do
+  for i = 1, n_vec do
     local meta = redis.call("HGET", KEYS[10], ARGV[25 + i]) or ""
     out[#out + 1] = string.match(meta, '"digest":"(%x+)"') or ""
   end

@@ -20,18 +20,22 @@
 -- KEYS[11] usage day   KEYS[12] usage month   KEYS[14] the key's leases: the day and month
 -- rollups get the tokens and the status class (the tenant's, and the key's as
 -- k:<key_id>:<field>); the key's lease is released with the tenant's.
+-- KEYS[15] finished leases: a lease an admission already released (admit_request.lua,
+-- ARGV[26+N..]) is found there, not in KEYS[3]; it is still this settlement's to charge.
 -- Returns 1 when action was "keep" but the latch is no longer ours in Redis (it was
 -- evicted while the request ran). Nothing needs doing about it: an engine never bridges
 -- a latch Redis does not expect, and the engine sync deletes its copy. Else 0.
 --
 -- Idempotent, so a settlement whose reply was lost can be sent again: the counters and
 -- the token correction apply only while the request's lease is still held (the first
--- run releases it). The latch actions converge to the same state when repeated.
+-- run releases it, from KEYS[3] or KEYS[15]). The latch actions converge to the same
+-- state when repeated.
 
 local now = tonumber(ARGV[1])
 local score = redis.call("ZSCORE", KEYS[3], ARGV[2])
 local held = score and tonumber(score) > 0
 if held then redis.call("ZREM", KEYS[3], ARGV[2]) end
+if redis.call("ZREM", KEYS[15], ARGV[2]) == 1 then held = true end
 redis.call("ZREM", KEYS[14], ARGV[2])
 local cancel = tonumber(ARGV[11] or "0")
 if cancel > 0 and not held and cancel > now then

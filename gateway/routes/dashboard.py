@@ -36,9 +36,11 @@ SECURITY_HEADERS: dict[str, str] = {
 
 
 def _static(name: str) -> Response:
+    # The files belong to the installed package ``steergate.gateway`` (package-data in
+    # pyproject.toml); a top-level ``gateway`` exists only inside the checkout.
     if name not in _FILES:
         raise APIError("not_found", "no such dashboard file")
-    body = resources.files("gateway").joinpath("static", name).read_bytes()
+    body = resources.files("steergate.gateway").joinpath("static", name).read_bytes()
     return Response(body, media_type=_FILES[name], headers=SECURITY_HEADERS)
 
 

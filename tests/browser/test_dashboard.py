@@ -1,5 +1,6 @@
 """The quota dashboard in real headless Chromium (Debian's /usr/bin/chromium driven by
-Playwright), against a live gateway, the fake engine and a real Redis."""
+Playwright), against the installed ``steergate gateway`` (started outside the checkout,
+tests/harness.py), the fake engine and a real Redis."""
 
 # ruff: noqa: F811 - pytest fixtures are imported, then named as parameters
 from __future__ import annotations
@@ -14,8 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.gateway.conftest import ADMIN_KEY, fake_engine, start_gateway  # noqa: F401 - fixtures
-from tests.gateway.ops_env import Ops, bearer, ops  # noqa: F401 - fixture
+from steergate.gateway.keyuse import FLUSH_INTERVAL_S
+from tests.gateway.conftest import ADMIN_KEY
+from tests.gateway.ops_env import Ops, bearer, installed_ops  # noqa: F401 - fixture
 from tests.harness import ROOT
 
 pytestmark = pytest.mark.browser
@@ -34,6 +36,11 @@ CHROMIUM_ARGS = [
 IMG = ROOT / "docs" / "img"
 LATCH = {"vectors": [{"hook": "post_block", "layers": {"1": [0.5] * 8}}], "latch": True}
 REFRESH_WAIT_MS = 5000  # the page refreshes every 2 s
+
+
+@pytest.fixture()
+def ops(installed_ops: Ops) -> Ops:  # noqa: F811 - the installed gateway, as a user runs it
+    return installed_ops
 
 
 @pytest.fixture(scope="module")
@@ -343,7 +350,7 @@ def test_admin_and_a_viewer_see_a_tenants_keys(page, ops: Ops) -> None:  # type:
     assert re.fullmatch(r"in [23]d", cell(row, "expires"))
     assert "expired" not in (row.get_attribute("class") or "")
     # Last use is written to Redis every few seconds: the row shows it once flushed.
-    flush_s = ops.gw.app.state.tenants.key_use.interval_s
+    flush_s = FLUSH_INTERVAL_S  # the installed gateway's
     row.locator('[data-field="last_used"]').get_by_text(re.compile(r"^\d+s ago$")).wait_for(
         timeout=(flush_s + 6) * 1000
     )

@@ -18,7 +18,7 @@ from steergate.gateway.tenants import TenantStore
 from steergate.shared.settings import GatewaySettings
 from tests.gateway.servers import ServerThread
 from tests.gateway.stub_engine import StubEngine
-from tests.harness import aredis_client
+from tests.harness import GatewayProcess, aredis_client
 
 ENGINE_TOKEN = "fake-engine-token"
 PEPPER = "gateway-test-pepper"
@@ -86,6 +86,22 @@ def start_gateway(redis_url: str, fake_engine: FakeEngine) -> Iterator[Callable[
 @pytest.fixture()
 def gateway(start_gateway: Callable[..., ServerThread]) -> ServerThread:
     return start_gateway()
+
+
+def installed_gateway(redis_url: str, engine_urls: str, **env: str) -> GatewayProcess:
+    """The installed ``steergate gateway`` (tests/harness.py: from a temporary folder,
+    without the checkout), with this suite's settings; ``env``: more of them."""
+    return GatewayProcess(
+        {
+            "REDIS_URL": redis_url,
+            "STEERGATE_ENGINE_URLS": engine_urls,
+            "STEERGATE_ENGINE_TOKEN": ENGINE_TOKEN,
+            "STEERGATE_ADMIN_KEY": ADMIN_KEY,
+            "STEERGATE_KEY_PEPPER": PEPPER,
+            "STEERGATE_REDIS_TIMEOUT_S": str(TEST_REDIS_TIMEOUT_S),
+            **env,
+        }
+    ).start()
 
 
 def run(coro: Any) -> Any:

@@ -1,19 +1,24 @@
 """Fixtures for the operator-surface tests (admin API, usage, metrics, CLI): a gateway
-under uvicorn in front of the stub engine (the real endpoint plugin), real Redis."""
+in front of the stub engine (the real endpoint plugin), real Redis. ``ops``: the gateway
+under uvicorn in this process (tests may reach into its state); ``installed_ops``: the
+installed ``steergate gateway`` (the browser tests). ``cli``: the installed
+``steergate`` command (both as tests/harness.py starts them: outside the checkout)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.gateway.conftest import ADMIN_KEY, start_stub_engine
+from tests.gateway.conftest import ADMIN_KEY, installed_gateway, start_stub_engine
 from tests.gateway.servers import ServerThread
 from tests.gateway.stub_engine import StubEngine
+from tests.harness import GatewayProcess, steergate_run
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
@@ -35,7 +40,7 @@ def chat_body(**extra: Any) -> dict[str, Any]:
 class Ops:
     """A running gateway + fake engine, with small admin/tenant HTTP helpers."""
 
-    gw: ServerThread
+    gw: ServerThread | GatewayProcess
     engine: StubEngine
     engine_url: str
 
@@ -78,40 +83,57 @@ class Ops:
             time.sleep(0.05)
 
 
-@pytest.fixture()
-def ops(start_gateway: Callable[..., ServerThread]) -> Iterator[Ops]:
+@contextmanager
+def _ops(start: Callable[[str], ServerThread | GatewayProcess]) -> Iterator[Ops]:
     engine = start_stub_engine()
     try:
-        gw = start_gateway(engine_urls=engine.url)
-        ops = Ops(gw, engine.state, engine.url)
-        # The gateway learns the engine's caps from its first poll.
-        ops.wait_for(
-            lambda: (
-                ops.admin("GET", "/admin/usage").json()["capacity"]["latch_count"][
-                    "engine_cap_source"
-                ]
-                == "engines"
+        ops = Ops(start(engine.url), engine.state, engine.url)
+        try:
+            # The gateway learns the engine's caps from its first poll.
+            ops.wait_for(
+                lambda: (
+                    ops.admin("GET", "/admin/usage").json()["capacity"]["latch_count"][
+                        "engine_cap_source"
+                    ]
+                    == "engines"
+                )
             )
-        )
-        yield ops
+            yield ops
+        finally:
+            if isinstance(ops.gw, GatewayProcess):
+                ops.gw.stop()
     finally:
         engine.server.stop()
 
 
 @pytest.fixture()
-def cli(ops: Ops, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):  # type: ignore[no-untyped-def]
-    """``steergate ...`` through its real entry point against ``ops``' gateway, as the
-    admin: (exit code, stdout, stderr)."""
-    from steergate.cli.main import main
+def ops(start_gateway: Callable[..., ServerThread]) -> Iterator[Ops]:
+    with _ops(lambda url: start_gateway(engine_urls=url)) as o:
+        yield o
 
-    monkeypatch.setenv("STEERGATE_GATEWAY_URL", ops.url)
-    monkeypatch.setenv("STEERGATE_ADMIN_KEY", ADMIN_KEY)
-    monkeypatch.setenv("COLUMNS", "250")  # rich: keep table rows on one line
+
+@pytest.fixture()
+def installed_ops(redis_url: str) -> Iterator[Ops]:
+    with _ops(lambda url: installed_gateway(redis_url, url)) as o:
+        yield o
+
+
+def installed_cli(**env: str) -> Callable[..., tuple[int, str, str]]:
+    """``steergate ...`` as installed, with this process's environment at each call
+    (tests change the admin key with ``monkeypatch``) plus ``env``: a function of the
+    arguments, giving (exit code, stdout, stderr)."""
 
     def run(*argv: str) -> tuple[int, str, str]:
-        code = main(list(argv))
-        out, err = capsys.readouterr()
-        return code, out, err
+        done = steergate_run(argv, env, capture_output=True, text=True, timeout=60)
+        return done.returncode, done.stdout, done.stderr
 
     return run
 
+
+@pytest.fixture()
+def cli(ops: Ops, monkeypatch: pytest.MonkeyPatch) -> Callable[..., tuple[int, str, str]]:
+    """The installed ``steergate`` against ``ops``' gateway, as the admin."""
+    monkeypatch.setenv("STEERGATE_GATEWAY_URL", ops.url)
+    monkeypatch.setenv("STEERGATE_ADMIN_KEY", ADMIN_KEY)
+    monkeypatch.setenv("COLUMNS", "250")  # rich: keep table rows on one line
+    return installed_cli()

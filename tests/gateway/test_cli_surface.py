@@ -11,7 +11,7 @@ import pytest
 
 from steergate.cli.main import COMMANDS, main
 from tests.gateway.conftest import ADMIN_KEY
-from tests.gateway.ops_env import Ops, ops  # noqa: F401 - fixture
+from tests.gateway.ops_env import Ops, installed_cli, ops  # noqa: F401 - fixture
 
 ACTIONS = {
     "tenant": ("create", "list", "show", "update", "delete"),
@@ -29,14 +29,19 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 
 
 @pytest.fixture()
-def cli(ops: Ops, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):  # type: ignore[no-untyped-def]
+def cli(ops: Ops, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """The installed command, its stdout a pipe (tests/harness.py: outside the checkout)."""
     monkeypatch.setenv("STEERGATE_GATEWAY_URL", ops.url)
     monkeypatch.setenv("STEERGATE_ADMIN_KEY", ADMIN_KEY)
     monkeypatch.delenv("COLUMNS", raising=False)  # what a pipe or CI job has
-    return lambda *argv: run(capsys, *argv)
+    return installed_cli()
 
 
 def test_every_command_and_action_has_help(capsys: pytest.CaptureFixture[str]) -> None:
+    """In this process (argparse's text; ~25 commands); the installed command's own
+    ``--help`` once, below."""
+    code, out, err = installed_cli()("--help")
+    assert code == 0 and "--yes" in out, err
     code, out, _ = run(capsys, "--help")
     assert code == 0 and "--help" in out and "--yes" in out
     for command in COMMANDS:

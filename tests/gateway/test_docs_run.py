@@ -28,6 +28,7 @@ import pytest
 from steergate.cli import up
 from tests.gateway.conftest import ADMIN_KEY, ENGINE_TOKEN, FakeEngine
 from tests.gateway.servers import ServerThread
+from tests.harness import installed_env
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ("README.md", "docs/api.md")
@@ -86,7 +87,7 @@ def demo_env(gateway: ServerThread, fake_engine: FakeEngine) -> dict[str, str]:
         headers={"Authorization": f"Bearer {ENGINE_TOKEN}"},
     ).json()
     demo = asyncio.run(up.create_demo(gateway.url, ADMIN_KEY, info, "stub"))
-    env = dict(os.environ)
+    env = installed_env()  # the docs' commands as installed, not from this checkout
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env.update(
         KEY=demo.tenant_key,

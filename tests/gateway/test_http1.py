@@ -318,6 +318,23 @@ async def test_an_idle_connection_the_engine_closed_is_replaced_without_an_error
             assert srv.count(b"POST /post ") == 1 and srv.count(b"GET /get ") == 1
 
 
+async def test_a_connection_idle_past_its_ttl_is_not_reused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The engine may be closing a connection idle for its keep-alive timeout just as a
+    # POST is written to it; that POST could not be resent. Connections idle longer
+    # than IDLE_TTL_S (below the engine's timeout) are closed and a new one is used.
+    monkeypatch.setattr(http1, "IDLE_TTL_S", 0.05)
+    async with serving(answering(ok())) as (srv, origin):
+        async with client() as c:
+            await fetch(c, origin, "GET", "/warm")
+            assert await fetch(c, origin, "POST", "/soon") == b"ok"
+            assert srv.connections == 1  # reused while fresh
+            await asyncio.sleep(0.1)
+            assert await fetch(c, origin, "POST", "/late") == b"ok"
+            assert srv.connections == 2 and srv.count(b"POST /late ") == 1
+
+
 async def test_a_post_on_a_connection_reset_while_idle_is_sent_once() -> None:
     closed = asyncio.Event()
 

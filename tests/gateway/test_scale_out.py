@@ -8,9 +8,6 @@ health check is routed around and used again once it recovers."""
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -18,58 +15,25 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.gateway.conftest import ADMIN_KEY, ENGINE_TOKEN, PEPPER, FakeEngine, start_stub_engine
+from tests.gateway.conftest import ADMIN_KEY, FakeEngine, installed_gateway, start_stub_engine
 from tests.gateway.servers import ServerThread
-from tests.harness import ROOT, free_port, wait_for, wait_port
+from tests.harness import GatewayProcess, wait_for
 
 pytestmark = pytest.mark.scale
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
-class GatewayProcess:
-    def __init__(self, redis_url: str, engine_urls: str) -> None:
-        self.port = free_port()
-        env = {
-            **os.environ,
-            "REDIS_URL": redis_url,
-            "STEERGATE_ENGINE_URLS": engine_urls,
-            "STEERGATE_ENGINE_TOKEN": ENGINE_TOKEN,
-            "STEERGATE_ADMIN_KEY": ADMIN_KEY,
-            "STEERGATE_KEY_PEPPER": PEPPER,
-            "STEERGATE_REDIS_TIMEOUT_S": "3",
-            "STEERGATE_RECONCILE_INTERVAL_S": "0.2",
-        }
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "steergate.cli", "gateway", "--port", str(self.port)],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        if not wait_port(self.port, 60):
-            self.stop()
-            raise RuntimeError("gateway process did not start")
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-
-
 @pytest.fixture()
 def fleet(redis_url: str) -> Iterator[tuple[list[GatewayProcess], list[FakeEngine]]]:
     engines = [start_stub_engine(), start_stub_engine()]
     urls = ",".join(e.url for e in engines)
-    gateways = [GatewayProcess(redis_url, urls) for _ in range(3)]
+    gateways: list[GatewayProcess] = []
     try:
+        for _ in range(3):
+            gateways.append(
+                installed_gateway(redis_url, urls, STEERGATE_RECONCILE_INTERVAL_S="0.2")
+            )
         wait_for(lambda: all(_ready(g) for g in gateways), 30)
         yield gateways, engines
     finally:
