@@ -98,6 +98,7 @@ _STEERING = {
         "phase": {"enum": ["all", "prefill", "decode"]},
         "tokens": _TOKENS,
         "latch": {"type": "boolean"},
+        "compare": {"type": "boolean", "description": "choice 0..n-1 steered, n..2n-1 not"},
     },
 }
 _INFERENCE_COMMON: dict[str, Any] = {

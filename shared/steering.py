@@ -103,7 +103,9 @@ def parse_steering(obj: Any, shape: ModelShape | None, param: str = "steering") 
     (lengths and layer ranges are then left to whoever knows the model)."""
     if not isinstance(obj, dict):
         raise InvalidField(param, f"'{param}' must be an object")
-    _reject_unknown(obj, {"vectors", "phase", "latch", "tokens"}, param)
+    _reject_unknown(obj, {"vectors", "phase", "latch", "tokens", "compare"}, param)
+    if not isinstance(obj.get("compare", False), bool):
+        raise InvalidField(f"{param}.compare", f"'{param}.compare' must be a boolean")
     phase = obj.get("phase", "all")
     if phase not in PHASES:
         raise InvalidField(f"{param}.phase", f"'{param}.phase' must be one of {', '.join(PHASES)}")

@@ -237,3 +237,35 @@ def test_token_positions_match_the_reference(
                                               clamps=clamps))
     every = reference(tiny_model, PROMPT, adds, max_tokens=8, clamps=clamps)
     assert answers[0] != every  # the selection steered fewer positions than "all"
+
+
+def test_compare_choice_1_is_the_request_without_steering(
+    f32_engine: EngineProcess, tiny_model: Path
+) -> None:
+    """``steering.compare`` with n = 2 and sampling (one seed for both halves): the
+    default choices equal the same request sent without steering (tokens identical,
+    |Δlogprob| <= 1e-5), the steered ones the request sent steered alone."""
+    adds = {("post_block", 1): unit_vector(111)}
+    clamps = [Clamp(("post_attn", 2), unit_vector(112), None, -1.0)]
+    extra = {"n": 2, "temperature": 0.8, "seed": 1234}
+
+    def choices(doc: dict[str, Any]) -> dict[int, Generation]:
+        out = {}
+        for c in doc["choices"]:
+            lp = c["logprobs"]
+            out[c["index"]] = Generation([int(t.split(":", 1)[1]) for t in lp["tokens"]],
+                                         [float(x) for x in lp["token_logprobs"]])
+        return out
+
+    body = _body(f32_engine, adds, clamps, n=8, **extra)
+    steered = choices(_post(f32_engine, body).json())
+    plain = choices(_post(f32_engine, _body(f32_engine, {}, [], n=8, **extra)).json())
+    body["steering"]["compare"] = True
+    both = choices(_post(f32_engine, body).json())
+    assert sorted(both) == [0, 1, 2, 3]
+    for i in (0, 1):
+        assert both[i].tokens == steered[i].tokens
+        assert max_abs_diff(both[i].logprobs, steered[i].logprobs) <= 1e-5
+        assert both[2 + i].tokens == plain[i].tokens
+        assert max_abs_diff(both[2 + i].logprobs, plain[i].logprobs) <= 1e-5
+    assert both[0].tokens != both[2].tokens
