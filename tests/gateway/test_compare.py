@@ -90,3 +90,12 @@ def test_compare_must_be_a_boolean(
     key = make_tenant(redis_url, "acme")
     r = _post(gateway, key, steering={"vectors": [ADD], "compare": "yes"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "steering.compare"
+
+
+def test_the_admission_estimate_counts_both_halves() -> None:
+    from steergate.gateway.limits import estimate_tokens
+
+    body = {"messages": [{"role": "user", "content": "x" * 40}], "max_tokens": 10, "n": 2}
+    plain = estimate_tokens(body)
+    assert estimate_tokens({**body, "steering": {"compare": True}}) == 2 * plain
+    assert estimate_tokens({**body, "steering": {"compare": False}}) == plain
