@@ -64,3 +64,12 @@ def test_latch_specs_keep_a_selection() -> None:
     spec = LatchSpec("tokens:2:0:3")
     assert decode_spec(spec.encode()).phase == "tokens:2:0:3"
     assert spec.digest != LatchSpec("all").digest
+
+
+def test_a_selection_takes_one_prompt_per_request_like_prefill() -> None:
+    from steergate.engine.http.exact import refuse_inexact
+
+    refuse_inexact({"prompt": [1, 2, 3]}, "tokens:3:0:*")  # one prompt: served
+    with pytest.raises(InvalidField) as err:
+        refuse_inexact({"prompt": [[1, 2], [3, 4]]}, "tokens:3:0:*")
+    assert err.value.param == "prompt" and "steering.tokens" in str(err.value)
