@@ -80,12 +80,14 @@ def reference(
     phase: str = "all",
     max_tokens: int = 8,
     clamps: Sequence[Clamp] = (),
+    clamp_first: bool = False,
 ) -> Generation:
+    """``clamp_first``: the wrong order (clamps, then adds), to show the order matters."""
     model = _model(str(model_dir))
     layers = model.model.layers
     mask_box: list[torch.Tensor] = []
     if clamps:
-        handles = _point_hooks(layers, sites or {}, clamps, mask_box)
+        handles = _point_hooks(layers, sites or {}, clamps, mask_box, clamp_first)
         return _greedy(model, prompt, phase, max_tokens, mask_box, handles)
 
     def add(t: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
@@ -117,7 +119,7 @@ def reference(
 
 def _point_hooks(
     layers: Any, sites: Mapping[Site, np.ndarray], clamps: Sequence[Clamp],
-    mask_box: list[torch.Tensor],
+    mask_box: list[torch.Tensor], clamp_first: bool = False,
 ) -> list[Any]:
     """Adds and clamps by point of the stream: at each point the adds (of both names
     where post_block l and pre_attn l+1 meet), then the clamps in the order given."""
@@ -133,13 +135,17 @@ def _point_hooks(
     def steer(stream: torch.Tensor, p: Site) -> torch.Tensor:
         """The change at point ``p`` of a [1, T, H] stream, masked by phase."""
         mask = mask_box[0][None, :, None]
-        h = stream + mask * adds[p] if p in adds else stream
+        h = stream
+        if p in adds and not clamp_first:
+            h = h + mask * adds[p]
         for c in by_point.get(p, ()):
             v = c.unit()
             comp = (h * v).sum(-1, keepdim=True)
             lo = -math.inf if c.lo is None else c.lo
             hi = math.inf if c.hi is None else c.hi
             h = h + mask * c.strength * (comp.clamp(lo, hi) - comp) * v
+        if p in adds and clamp_first:
+            h = h + mask * adds[p]
         return h - stream
 
     points = set(adds) | set(by_point)
