@@ -147,3 +147,16 @@ def test_fill_selects_positions_exactly_under_chunks_and_cache_hits() -> None:
                     steered.add(first + i)
             assert not t.index[:2].any()
         assert steered == want, chunks
+
+
+def test_the_compile_cache_factor_changes_with_the_clamp_cap(monkeypatch) -> None:
+    from steergate.engine.worker import compile_tag
+
+    compile_tag.steergate_factor.cache_clear()
+    monkeypatch.setenv("STEERGATE_MAX_CLAMPS_PER_SITE", "4")
+    four = compile_tag.steergate_factor()
+    compile_tag.steergate_factor.cache_clear()
+    monkeypatch.setenv("STEERGATE_MAX_CLAMPS_PER_SITE", "0")
+    zero = compile_tag.steergate_factor()
+    compile_tag.steergate_factor.cache_clear()
+    assert four != zero
