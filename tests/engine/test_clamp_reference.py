@@ -49,8 +49,8 @@ def _clamp(c: Clamp) -> dict[str, Any]:
 
 
 def _body(engine: EngineProcess, adds: dict[Site, np.ndarray], clamps: list[Clamp],
-          prompt: list[int] = PROMPT, n: int = N, **extra: Any) -> dict[str, Any]:
-    body = completion_body(str(engine.model), prompt, n, **extra)
+          prompt: list[int] = PROMPT, n_tokens: int = N, **extra: Any) -> dict[str, Any]:
+    body = completion_body(str(engine.model), prompt, n_tokens, **extra)
     terms = [_add(s, v) for s, v in adds.items()] + [_clamp(c) for c in clamps]
     if terms:
         body["steering"] = {"vectors": terms}
@@ -66,7 +66,7 @@ def _post(engine: EngineProcess, body: dict[str, Any]) -> httpx.Response:
 
 def _run(engine: EngineProcess, adds, clamps, prompt: list[int] = PROMPT,
          n: int = N) -> Generation:
-    return parse_completion(_post(engine, _body(engine, adds, clamps, prompt, n)).json())
+    return parse_completion(_post(engine, _body(engine, adds, clamps, prompt, n_tokens=n)).json())
 
 
 def _case(hook: str) -> tuple[dict[Site, np.ndarray], list[Clamp]]:
@@ -106,7 +106,7 @@ def test_mixed_batch_of_adds_clamps_ablations_and_unsteered_requests(
               Clamp(("post_attn", 3), unit_vector(37), 0.0, 0.0)]),
     ]
     alone = [_run(f32_engine, a, c, n=n) for a, c in cases]
-    bodies = [_body(f32_engine, a, c, n=n) for a, c in cases]
+    bodies = [_body(f32_engine, a, c, n_tokens=n) for a, c in cases]
     for _attempt in range(3):
         before = _iteration_buckets(f32_engine)
         batched = _send_together(f32_engine, bodies)
@@ -155,8 +155,9 @@ def test_ablation_leaves_the_component_zero_at_the_site(
     adds = {site: v * 5.0}
     sites = [site] + ([("pre_attn", site[1] + 1)] if site[0] == "post_block" else [])
     cap = capture_field(sites, "all", "none")
-    plain = _post(f32_engine, _body(f32_engine, adds, [], n=4, capture=cap)).json()["capture"]
-    body = _body(f32_engine, adds, [Clamp(site, v, 0.0, 0.0)], n=4, capture=cap)
+    plain_body = _body(f32_engine, adds, [], n_tokens=4, capture=cap)
+    plain = _post(f32_engine, plain_body).json()["capture"]
+    body = _body(f32_engine, adds, [Clamp(site, v, 0.0, 0.0)], n_tokens=4, capture=cap)
     ablated = _post(f32_engine, body).json()["capture"]
     for key, rows in decode_capture(ablated).items():
         before = decode_capture(plain)[key] @ v
@@ -229,7 +230,7 @@ def test_token_positions_match_the_reference(
     _run(f32_engine, {}, [], long_prompt, n=2)
     answers = []
     for prompt in (PROMPT, long_prompt):
-        body = _body(f32_engine, adds, clamps, prompt, n=8)
+        body = _body(f32_engine, adds, clamps, prompt, n_tokens=8)
         body["steering"]["tokens"] = tokens
         answers.append(parse_completion(_post(f32_engine, body).json()))
         assert_matches(answers[-1], reference(tiny_model, prompt, adds, phase, max_tokens=8,
@@ -256,9 +257,9 @@ def test_compare_choice_1_is_the_request_without_steering(
                                          [float(x) for x in lp["token_logprobs"]])
         return out
 
-    body = _body(f32_engine, adds, clamps, n=8, **extra)
+    body = _body(f32_engine, adds, clamps, n_tokens=8, **extra)
     steered = choices(_post(f32_engine, body).json())
-    plain = choices(_post(f32_engine, _body(f32_engine, {}, [], n=8, **extra)).json())
+    plain = choices(_post(f32_engine, _body(f32_engine, {}, [], n_tokens=8, **extra)).json())
     body["steering"]["compare"] = True
     both = choices(_post(f32_engine, body).json())
     assert sorted(both) == [0, 1, 2, 3]
