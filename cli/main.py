@@ -21,10 +21,12 @@ commands:
   admin-key create|list|revoke ...                           admin: admin/viewer keys
   audit [--since WHEN] [--limit N]                           admin: the audit log
   usage [TENANT]                                             admin: usage tables
+  vector from-examples NAME --positive F --negative F        tenant: make a vector from examples
 
 Every command takes --help (e.g. `steergate tenant create --help`). The admin
-commands need STEERGATE_ADMIN_KEY; --url or STEERGATE_GATEWAY_URL names the gateway;
---json prints the API's JSON; tables are never cut when stdout is not a terminal.
+commands need STEERGATE_ADMIN_KEY, the tenant commands STEERGATE_API_KEY; --url or
+STEERGATE_GATEWAY_URL names the gateway; --json prints the API's JSON; tables are
+never cut when stdout is not a terminal.
 """
 
 COMMANDS: dict[str, str] = {
@@ -38,6 +40,7 @@ COMMANDS: dict[str, str] = {
     "admin-key": "steergate.cli.admin:admin_key_main",
     "audit": "steergate.cli.admin:audit_main",
     "usage": "steergate.cli.admin:usage_main",
+    "vector": "steergate.cli.vector:main",
 }
 
 

@@ -19,7 +19,11 @@ DEFAULT_PORT = 8100
 DEFAULT_CPU_KVCACHE_GIB = "1"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
-USAGE = "usage: steergate engine --model PATH_OR_HF_ID [--port 8100] [vLLM args...]"
+USAGE = ("usage: steergate engine --model PATH_OR_HF_ID [--port 8100] [--no-steering] "
+         "[vLLM args...]")
+#: Serve the model unsteered (sets STEERGATE_STEERING=off): the only way to serve an
+#: architecture without a verified steering convention (docs/steering-op.md).
+NO_STEERING = "--no-steering"
 
 
 def _has_flag(args: list[str], flag: str) -> bool:
@@ -70,6 +74,14 @@ def build_env(base: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
+def apply_no_steering(args: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """``--no-steering`` is ours, not vLLM's: drop it and set STEERGATE_STEERING=off,
+    which every engine process (API server, workers) reads."""
+    if NO_STEERING not in args:
+        return args, env
+    return [a for a in args if a != NO_STEERING], {**env, "STEERGATE_STEERING": "off"}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in {"-h", "--help"}:
@@ -83,12 +95,13 @@ def main(argv: list[str] | None = None) -> int:
         print("steergate engine: STEERGATE_ENGINE_TOKEN is not set; refusing to start an "
               "engine that anyone on the network could call", file=sys.stderr)
         return 2
+    args, env = apply_no_steering(args, build_env(os.environ))
     try:
         cmd = build_command(args)
     except ValueError as exc:
         print(f"steergate engine: {exc}\n{USAGE}", file=sys.stderr)
         return 2
-    os.execvpe(cmd[0], cmd, build_env(os.environ))
+    os.execvpe(cmd[0], cmd, env)
     return 0  # pragma: no cover - exec does not return
 
 

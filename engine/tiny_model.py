@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import zlib
 from pathlib import Path
 
 SPECIAL_TOKENS = ["<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
@@ -166,15 +167,144 @@ def generate(
     return out
 
 
+# ---- other architectures ---------------------------------------------------------
+
+#: ``config.json`` fields per architecture, on top of the common shape (hidden 128,
+#: 4 layers, 2 query heads of 64 and 1 KV head: head_dim 64 suits vLLM's CPU backend).
+#: Each architecture's own features are kept (biases, q/k norms, sandwich norms,
+#: Granite's multipliers, experts); what would make a tiny model ill-conditioned or
+#: slow to compare is tamed (sliding windows wider than any test prompt).
+ARCHITECTURES: dict[str, dict[str, object]] = {
+    "LlamaForCausalLM": {"model_type": "llama"},
+    "Qwen2ForCausalLM": {"model_type": "qwen2", "use_sliding_window": False},
+    "Qwen3ForCausalLM": {"model_type": "qwen3", "use_sliding_window": False},
+    "MistralForCausalLM": {"model_type": "mistral", "sliding_window": None},
+    "Phi3ForCausalLM": {"model_type": "phi3"},
+    "Gemma2ForCausalLM": {
+        "model_type": "gemma2", "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 64, "sliding_window": 1024,
+        "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+        "tie_word_embeddings": True,
+    },
+    "Gemma3ForCausalLM": {
+        "model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 64, "sliding_window": 1024, "sliding_window_pattern": 2,
+        "tie_word_embeddings": True,
+    },
+    "GraniteForCausalLM": {
+        "model_type": "granite", "embedding_multiplier": 2.0, "residual_multiplier": 0.22,
+        "attention_multiplier": 1 / 64, "logits_scaling": 1.0,
+    },
+    "Olmo2ForCausalLM": {"model_type": "olmo2"},
+    # Gemma 1: served natively by vLLM, but no verified steering convention (the tests'
+    # example of an architecture the engine refuses to steer).
+    "GemmaForCausalLM": {
+        "model_type": "gemma", "hidden_activation": "gelu_pytorch_tanh",
+        "tie_word_embeddings": True,
+    },
+    "MixtralForCausalLM": {
+        "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2,
+        "sliding_window": None,
+    },
+    "Qwen2MoeForCausalLM": {
+        "model_type": "qwen2_moe", "num_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 128, "shared_expert_intermediate_size": 256,
+        "decoder_sparse_step": 1, "norm_topk_prob": False, "use_sliding_window": False,
+    },
+    "Qwen3MoeForCausalLM": {
+        "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 128, "decoder_sparse_step": 1, "norm_topk_prob": True,
+        "use_sliding_window": False,
+    },
+}
+
+#: Embedding std per architecture where the model scales its embeddings, so the stream
+#: entering layer 0 has entries of std ~1 as in the Llama model (Gemma multiplies by
+#: sqrt(hidden); Granite by its embedding_multiplier).
+_EMBED_STD = {"GemmaForCausalLM": 0.03, "Gemma2ForCausalLM": 0.03, "Gemma3ForCausalLM": 0.03,
+              "GraniteForCausalLM": 0.5}
+
+
+#: Constant vectors set per architecture. Gemma ties its output head to the embedding
+#: and norms every sublayer's output to sqrt(hidden) before adding it: with embeddings
+#: small against the stream (else the logits just repeat the current token: its own
+#: row dominates h . E), the final norm's gain (1 + w) spreads the logits again.
+_VECTORS: dict[str, dict[str, float]] = {
+    "GemmaForCausalLM": {"model.norm.weight": 3.0},
+    "Gemma2ForCausalLM": {"model.norm.weight": 3.0},
+    "Gemma3ForCausalLM": {"model.norm.weight": 3.0},
+}
+
+
+def generate_architecture(path: str | Path, architecture: str, *, seed: int = 0) -> Path:
+    """A tiny random ``architecture`` model in ``path``: the shape of :func:`generate`'s
+    Llama, built by ``transformers`` from a config and saved with ``save_pretrained``
+    (so the checkpoint has the layout vLLM loads, e.g. per-expert MoE weights). Every
+    matrix is drawn again from a seeded generator: same seed, same weights. Vectors
+    (norm weights, biases) keep ``transformers``' constant initialisation."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"unknown architecture {architecture!r}; known: {sorted(ARCHITECTURES)}")
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = _train_tokenizer(out)
+    fields = dict(ARCHITECTURES[architecture])
+    model_type = str(fields.pop("model_type"))
+    hidden = 128
+    config = AutoConfig.for_model(
+        model_type, architectures=[architecture], hidden_size=hidden, intermediate_size=256,
+        num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+        max_position_embeddings=MAX_POSITIONS, vocab_size=int(tok["vocab_size"]),
+        bos_token_id=tok[BOS], eos_token_id=tok[EOS], pad_token_id=tok[EOS],
+        tie_word_embeddings=bool(fields.pop("tie_word_embeddings", False)),
+        **fields,
+    )
+    config.dtype = torch.float32
+    torch.manual_seed(seed)  # transformers' own init (overwritten below for matrices)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Each architecture draws its own weights (not the Llama's under another name).
+    gen = torch.Generator().manual_seed(seed * 2**32 + zlib.crc32(architecture.encode()))
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # tied weights appear once
+            if name in _VECTORS.get(architecture, {}):
+                param.fill_(_VECTORS[architecture][name])
+            if param.dim() < 2:
+                if name.endswith(".bias"):  # small, so biases are exercised, not dominant
+                    param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+                continue
+            if name.endswith("embed_tokens.weight"):
+                std = _EMBED_STD.get(architecture, 1.0)
+            elif name.startswith("lm_head"):
+                std = 2.0 * hidden**-0.5  # spread logits: no near-ties
+            else:
+                std = param.shape[-1] ** -0.5  # ~1/sqrt(fan_in) keeps activations O(1)
+            param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * std)
+    model.save_pretrained(str(out))
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": tok[BOS], "eos_token_id": tok[EOS]}, indent=2) + "\n"
+    )
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="steergate tiny-model", description=__doc__.splitlines()[0]
     )
     parser.add_argument("dir", help="output folder (created if missing)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--architecture", default=None, choices=sorted(ARCHITECTURES),
+        help="build this architecture with transformers (default: the hand-built Llama)",
+    )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    out = generate(args.dir, seed=args.seed)
-    print(f"wrote tiny Llama to {out}")
+    if args.architecture is None:
+        out = generate(args.dir, seed=args.seed)
+        print(f"wrote tiny Llama to {out}")
+    else:
+        out = generate_architecture(args.dir, args.architecture, seed=args.seed)
+        print(f"wrote tiny {args.architecture} to {out}")
     return 0
 
 

@@ -30,6 +30,7 @@ from steergate.gateway.middleware import BodyLimitMiddleware
 from steergate.gateway.routes import (
     admin,
     dashboard,
+    from_examples,
     health,
     inference,
     latches,
@@ -58,6 +59,7 @@ ROUTERS = (
     inference,
     models,
     tokenize,
+    from_examples,
     vectors,
     latches,
     health,

@@ -72,8 +72,12 @@ class EngineClient:
 
     # -- inference --------------------------------------------------------------------
 
-    async def complete(self, engine: Engine, path: str, content: bytes) -> UpstreamResponse:
-        return await self.pool.request("POST", path, engine=engine, content=content)
+    async def complete(
+        self, engine: Engine, path: str, content: bytes, timeout_s: float | None = None
+    ) -> UpstreamResponse:
+        return await self.pool.request(
+            "POST", path, engine=engine, content=content, timeout_s=timeout_s
+        )
 
     def stream(
         self, engine: Engine, path: str, content: bytes

@@ -4,8 +4,9 @@
   parameter; it is an operator's tool, not something to hand the internet. There is
   no ``/docs`` or ``/redoc``: FastAPI's versions load Swagger UI and ReDoc from a CDN,
   which a gateway holding API keys must never make a browser do.
-* The inference routes and ``PUT /v1/steering/vectors/{name}`` read their bodies by
-  hand (speed, and OpenAI-shaped 400s), so FastAPI cannot see what they take.
+* The inference routes, ``PUT /v1/steering/vectors/{name}`` and ``from-examples``
+  read their bodies by hand (speed, and OpenAI-shaped 400s), so FastAPI cannot see
+  what they take.
   ``RAW_BODIES`` documents those bodies, so clients and schema-driven tests
   (Schemathesis) see and exercise them like any other route's.
 """
@@ -116,6 +117,28 @@ def _json_body(schema: dict[str, Any], **other: dict[str, Any]) -> dict[str, Any
 
 
 #: (method, path) -> requestBody, for the routes that parse their bodies themselves.
+_MESSAGE = {
+    "type": "object",
+    "required": ["role", "content"],
+    "additionalProperties": False,
+    "properties": {
+        "role": {"enum": ["system", "user", "assistant"]},
+        "content": {"type": "string"},
+    },
+}
+#: A from-examples side: texts (raw prompts) or messages lists (chat-templated).
+_EXAMPLES = {
+    "type": "array",
+    "minItems": 2,
+    "maxItems": 256,
+    "items": {
+        "oneOf": [
+            {"type": "string", "minLength": 1, "maxLength": 8000},
+            {"type": "array", "minItems": 1, "maxItems": 32, "items": _MESSAGE},
+        ]
+    },
+}
+
 RAW_BODIES: dict[tuple[str, str], dict[str, Any]] = {
     ("post", "/v1/chat/completions"): _json_body(
         {
@@ -193,6 +216,28 @@ RAW_BODIES: dict[tuple[str, str], dict[str, Any]] = {
             "properties": {
                 "model": {"type": "string"},
                 "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+            },
+        }
+    ),
+    ("post", "/v1/steering/vectors/{name}/from-examples"): _json_body(
+        {
+            "type": "object",
+            "required": ["positive", "negative"],
+            "additionalProperties": False,
+            "properties": {
+                "hook": _HOOK,
+                "layers": {
+                    "oneOf": [
+                        {"const": "all"},
+                        {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                    ]
+                },
+                "positive": _EXAMPLES,
+                "negative": _EXAMPLES,
+                "method": {"enum": ["mean_difference", "pca"]},
+                "position": {"enum": ["mean", "last"]},
+                "normalize": {"type": "boolean"},
+                "description": {"type": "string", "maxLength": 1024},
             },
         }
     ),

@@ -259,6 +259,14 @@ class EnginePool:
                 return ModelShape(int(e.info["hidden_size"]), int(e.info["num_layers"]))
         return None
 
+    def served(self) -> dict[str, Any]:
+        """The served architecture and supported hooks, as the engines report them
+        (``architecture``, ``layer_convention``, ``hooks``); empty until one did."""
+        for e in self.engines:
+            if e.info and "architecture" in e.info and isinstance(e.info.get("hooks"), list):
+                return {k: e.info.get(k) for k in ("architecture", "layer_convention", "hooks")}
+        return {}
+
     def caps(self) -> tuple[int, int] | None:
         """The smallest latch caps over engines that reported them."""
         known = [e.info for e in self.engines if e.info and "max_latched_conversations" in e.info]

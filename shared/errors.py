@@ -113,6 +113,9 @@ _CODES = (
     _e("capture_too_large", 400, _N, _BOTH,
        "`capture` names more sites than allowed, or can produce more float32 bytes than "
        "allowed per request (choices x sites x rows x hidden x 4; decided up front)"),
+    _e("examples_too_large", 400, _N, _GW,
+       "a `from-examples` body holds more examples per side (256), characters per example "
+       "(8,000) or characters in all (400,000) than allowed; `param` names the side or example"),
     _e("invalid_api_key", 401, _N, _BOTH, "missing, unknown, malformed or revoked key (on the "
        "engine: missing or wrong engine token)"),
     _e("expired_api_key", 401, _N, _GW,

@@ -6,6 +6,8 @@ without the ``STEERGATE_`` prefix. CLI flags override by passing keyword values.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -34,6 +36,13 @@ class EngineSettings(BaseSettings):
         le=64,
         description="Clamp/ablate directions per point of the residual stream (each costs "
         "a [slots, hidden] float32 table per point); more in one request: 400.",
+    )
+    steering: Literal["on", "off"] = Field(
+        default="on",
+        description=(
+            "`off` serves an architecture without a verified steering convention unsteered "
+            "(requests that steer get 501); `on` refuses to start on one."
+        ),
     )
 
 

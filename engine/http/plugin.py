@@ -24,7 +24,7 @@ from steergate.engine.http.auth import EngineTokenMiddleware
 from steergate.engine.http.capture import CaptureSupport
 from steergate.engine.http.rewrite import SteeringRewriteMiddleware
 from steergate.engine.http.routes import build_router
-from steergate.engine.http.runtime import RuntimeRef, SteeringRuntime
+from steergate.engine.http.runtime import RuntimeRef, ServedArchitecture, SteeringRuntime
 from steergate.shared import request_id
 from steergate.shared.jsondepth import JsonDepthMiddleware
 from steergate.shared.openai_errors import OpenAIErrorMiddleware
@@ -85,11 +85,16 @@ class SteeringEndpointPlugin:
         runtime = SteeringRuntime.create(
             _served_name(args), shape, self.settings,
             capture=capture_support(engine_client.vllm_config),
+            served=_served_architecture(model_config, steering=self.settings.steering == "on"),
         )
         self.runtime.set(runtime)
         state.steergate = runtime
         log.info(
-            "steergate: hidden_size=%d num_layers=%d caps=%d latches/%d bytes epoch=%s",
+            "steergate: %s (%s, steering %s) hidden_size=%d num_layers=%d "
+            "caps=%d latches/%d bytes epoch=%s",
+            runtime.served.architecture,
+            runtime.served.convention or "no convention",
+            "on" if runtime.served.steered else "off",
             shape.hidden_size,
             shape.num_layers,
             runtime.controller.max_count,
@@ -111,6 +116,20 @@ def capture_support(vllm_config: Any) -> CaptureSupport:
         return CaptureSupport(max_len, "this engine replays CUDA graphs; serve it with "
                               "--enforce-eager to capture")
     return CaptureSupport(max_len)
+
+
+def _served_architecture(model_config: Any, steering: bool) -> ServedArchitecture:
+    """The served model's architecture and layer convention. With steering on, an
+    unsupported one has already stopped the workers' start (engine/worker/runner.py);
+    this raises the same refusal in case it reaches here."""
+    from steergate.engine.worker import conventions
+
+    arch = conventions.architecture_of(model_config)
+    vllm_class = conventions.vllm_class_of(model_config)
+    if not steering:
+        return ServedArchitecture(arch, vllm_class, None)
+    support = conventions.lookup(arch, vllm_class)
+    return ServedArchitecture(arch, vllm_class, support.convention.name)
 
 
 def _served_name(args: Namespace) -> str:

@@ -134,6 +134,14 @@ def rewrite(doc: dict[str, Any], runtime: SteeringRuntime) -> Resolution:
     conversation_id = _conversation_id(doc.pop("conversation_id", None))
     expect = parse_expect(doc.pop(EXPECT_FIELD, None), runtime.shape)
     raw = doc.pop("steering", None)  # null means "not given", as for OpenAI's optional fields
+    if raw is not None and not runtime.served.steered:
+        # The workers have no tables: the steering would be silently ignored.
+        raise APIError(
+            "not_implemented",
+            f"this engine serves {runtime.served.architecture} unsteered "
+            "(STEERGATE_STEERING=off): 'steering' is not available",
+            param="steering",
+        )
     steering = parse_steering(raw, runtime.shape) if raw is not None else None
     xargs = doc.get("vllm_xargs")
     if xargs is not None and not isinstance(xargs, dict):

@@ -19,6 +19,25 @@ from steergate.shared.settings import EngineSettings
 from steergate.shared.steering import HOOKS, ModelShape
 
 
+@dataclass(frozen=True)
+class ServedArchitecture:
+    """What ``/v1/steering/info`` says about the served model's layers: its architecture
+    (``config.json``), the vLLM class serving it, the layer convention steering uses
+    (``None`` with ``STEERGATE_STEERING=off``) and the hooks it supports."""
+
+    architecture: str = "LlamaForCausalLM"
+    vllm_class: str = "LlamaForCausalLM"
+    convention: str | None = "fused-residual"
+
+    @property
+    def steered(self) -> bool:
+        return self.convention is not None
+
+    @property
+    def hooks(self) -> list[str]:
+        return list(HOOKS) if self.steered else []
+
+
 @dataclass
 class SteeringRuntime:
     model: str
@@ -27,6 +46,7 @@ class SteeringRuntime:
     registry: VectorRegistry = field(default_factory=VectorRegistry)
     capture: CaptureSupport = field(default_factory=lambda: CaptureSupport(max_model_len=2048))
     max_clamps: int = DEFAULT_MAX_CLAMPS_PER_SITE  # clamp directions per point of the stream
+    served: ServedArchitecture = field(default_factory=ServedArchitecture)
 
     @property
     def epoch(self) -> str:
@@ -36,16 +56,16 @@ class SteeringRuntime:
     def create(
         cls, model: str, shape: ModelShape, settings: EngineSettings, epoch: str | None = None,
         capture: CaptureSupport | None = None,
+        served: ServedArchitecture | None = None,
     ) -> SteeringRuntime:
         controller = LatchController(
             settings.max_latched_conversations,
             settings.max_latched_bytes,
             epoch or uuid.uuid4().hex,  # changes on every start: clients can tell latches were lost
         )
-        runtime = cls(
-            model=model, shape=shape, controller=controller,
-            max_clamps=settings.max_clamps_per_site,
-        )
+        runtime = cls(model=model, shape=shape, controller=controller,
+                      served=served or ServedArchitecture(),
+                      max_clamps=settings.max_clamps_per_site)
         if capture is not None:
             runtime.capture = capture
         return runtime
@@ -55,7 +75,11 @@ class SteeringRuntime:
             "model": self.model,
             "hidden_size": self.shape.hidden_size,
             "num_layers": self.shape.num_layers,
-            "hooks": list(HOOKS),
+            "architecture": self.served.architecture,
+            "vllm_class": self.served.vllm_class,
+            "layer_convention": self.served.convention,
+            "steering": "on" if self.served.steered else "off",
+            "hooks": self.served.hooks,
             "max_latched_conversations": self.controller.max_count,
             "max_latched_bytes": self.controller.max_bytes,
             "epoch": self.epoch,

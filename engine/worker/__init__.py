@@ -2,6 +2,7 @@
 
 * :mod:`engine.worker.op`          the ``steergate::steer`` custom op (pure torch);
 * :mod:`engine.worker.tables`      per-site tables, slot allocation, index fill (pure torch);
+* :mod:`engine.worker.conventions` per-architecture layer conventions and the support table;
 * :mod:`engine.worker.layers`      wraps decoder layers to call the op (pure torch);
 * :mod:`engine.worker.runner`      the vLLM adapter (patches the V1 model runner);
 * :mod:`engine.worker.compile_tag` keeps vLLM's compile cache from reusing unsteered graphs.

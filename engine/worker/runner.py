@@ -23,7 +23,7 @@ from typing import Any
 
 from steergate.engine.payload import XARGS_KEY, Payload, decode_payload
 from steergate.engine.worker import capture as worker_capture
-from steergate.engine.worker import contract
+from steergate.engine.worker import contract, conventions
 from steergate.engine.worker.layers import find_decoder_layers, wrap_layers
 from steergate.engine.worker.tables import SteeringTables, StepRequest
 from steergate.shared.settings import EngineSettings
@@ -72,11 +72,18 @@ def attach(runner: Any, required: Sequence[str]) -> SteeringTables | None:
     """Allocate the tables and wrap the model's decoder layers, after checking the
     runner's instance attributes (``required``) and its features. Returns the new
     tables, or None when the runner already had them."""
+    if not conventions.steering_enabled():
+        if getattr(runner, "_steergate_off_logged", False) is False:
+            runner._steergate_off_logged = True
+            logger.warning("steergate: STEERGATE_STEERING=off: serving %s unsteered",
+                           conventions.architecture_of(runner.model_config))
+        return None
     existing: SteeringTables | None = getattr(runner, "_steergate", None)
     if existing is not None:
         # load_model ran again (a new model object): wrap its layers around the same
         # tables; wrapping is idempotent per layer, so the same model is not re-wrapped.
-        wrap_layers(*find_decoder_layers(runner.get_model()), existing)
+        support = select(runner.model_config)
+        wrap_layers(*_checked_layers(runner, support), existing, support.convention)
         return None
     contract.raise_if(
         f"vLLM {type(runner).__name__} does not match the steering adapter",
@@ -86,7 +93,8 @@ def attach(runner: Any, required: Sequence[str]) -> SteeringTables | None:
         "this engine configuration cannot be steered exactly",
         contract.feature_problems(runner.vllm_config),
     )
-    layers, present = find_decoder_layers(runner.get_model())
+    support = select(runner.model_config)
+    layers, present = _checked_layers(runner, support)
     compilation = runner.vllm_config.compilation_config
     # CUDA graphs pad a step up to a capture size; padded tokens must find row 0.
     capture = int(getattr(compilation, "max_cudagraph_capture_size", 0) or 0)
@@ -100,14 +108,33 @@ def attach(runner: Any, required: Sequence[str]) -> SteeringTables | None:
         device=runner.device,
         max_clamps=EngineSettings().max_clamps_per_site,
     )
-    wrap_layers(layers, present, tables)
+    wrap_layers(layers, present, tables, support.convention)
     runner._steergate = tables
     worker_capture.install_state(worker_capture.new_state(present, tables.hidden_size))
     logger.info(
-        "steergate: steering %d layers x 3 hooks, %d slots, %d-token index (%s)",
+        "steergate: steering %s (%s convention): %d layers x 3 hooks, %d slots, "
+        "%d-token index (%s)", support.architecture, support.convention.name,
         len(present), tables.num_slots, max_tokens, type(runner).__module__,
     )
     return tables
+
+
+def select(model_config: Any) -> conventions.Support:
+    """The verified support entry for the served model; refuses to start otherwise
+    (vLLM does not catch it: the worker's load fails and the engine exits)."""
+    return conventions.lookup(conventions.architecture_of(model_config),
+                              conventions.vllm_class_of(model_config))
+
+
+def _checked_layers(runner: Any, support: conventions.Support) -> tuple[Any, list[int]]:
+    model = runner.get_model()
+    layers, present = find_decoder_layers(model)
+    contract.raise_if(
+        f"{support.architecture}'s layers do not match the {support.convention.name} "
+        "steering convention",
+        conventions.check_layers(support, model, layers, present),
+    )
+    return layers, present
 
 
 def _after_prepare(prepare: Callable[..., Any]) -> Callable[..., Any]:

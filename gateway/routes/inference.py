@@ -123,7 +123,6 @@ async def proxy_inference(request: Request, path: str) -> Response:
     client_stream_options = "stream_options" in body
     # Ids validated in full and the inline budget checked; no vector data converted yet.
     head = prescan(body, svc.bodies.budget)
-    shape = svc.engines.shape()
     if head.capture is not None and shape is not None:  # 400s before admission
         parse_capture(body["capture"], shape)
         check_up_front(head.capture, body, path == engine_api.COMPLETIONS, shape.hidden_size,

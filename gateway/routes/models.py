@@ -3,7 +3,8 @@ the served model's steering shape added (what a client needs to build a vector).
 
 Each entry is vLLM's (``id``, ``object``, ``created``, ``owned_by``, ``root``,
 ``parent``, ``max_model_len``, ``permission``) plus ``"steering": {"hidden_size",
-"num_layers", "hooks"}``. An id the engines do not serve is a 404
+"num_layers", "hooks", "architecture", "layer_convention"}`` (the last two, and the
+hooks, as the engines report them in ``/v1/steering/info``). An id the engines do not serve is a 404
 ``model_not_found`` (the OpenAI shape, ``param: "model"``). Both are metered.
 """
 
@@ -56,10 +57,13 @@ def _with_steering(doc: Any, svc: Services) -> dict[str, Any]:
         return {"object": "list", "data": []}
     shape = svc.engines.shape()
     if shape is not None:
-        steering = {
+        steering: dict[str, Any] = {
             "hidden_size": shape.hidden_size,
             "num_layers": shape.num_layers,
             "hooks": list(HOOKS),
+            # what the engines report: the architecture, its layer convention and the
+            # hooks it supports (none on an engine started with STEERGATE_STEERING=off)
+            **svc.engines.pool.served(),
         }
         for entry in doc["data"]:
             if isinstance(entry, dict):

@@ -34,6 +34,8 @@ router = APIRouter(tags=["vectors"])
 
 #: Metadata fields a client sees (the rest of the stored record is ours).
 PUBLIC_FIELDS = ("name", "digest", "bytes", "layers", "hook", "description", "updated_at")
+#: Shown only when present: a vector made by ``from-examples`` (routes/from_examples.py).
+MADE_FIELDS = ("provenance", "report")
 
 
 def _json(doc: Any, status: int = 200) -> Response:
@@ -78,6 +80,25 @@ async def _put_vector(
             hook, layers, description = await svc.bodies.parse_vector(raw, tenant_id, shape)
         else:
             hook, layers, description = parse_vector_body(parse_body(raw), shape)
+    meta, prev = await store_vector(svc, tenant_id, lim, name, hook, layers, description)
+    out = {k: meta[k] for k in ("name", "digest", "bytes", "layers", "hook")}
+    return _json(out, 200 if prev else 201)
+
+
+async def store_vector(
+    svc: Services,
+    tenant_id: str,
+    lim: Any,
+    name: str,
+    hook: str,
+    layers: dict[int, np.ndarray],
+    description: str | None,
+    extra: dict[str, Any] | None = None,
+) -> tuple[dict[str, Any], bool]:
+    """Write a validated vector to Redis (the tenant's quota checked in the same
+    script), then offer it to every engine. ``extra``: more metadata (a made vector's
+    ``provenance`` and ``report``). Returns the stored metadata and whether it
+    replaced a vector of that name."""
     indices = sorted(layers)
     matrix = np.stack([np.asarray(layers[i], dtype=np.float32) for i in indices])
     nbytes = int(matrix.size * 4)
@@ -89,6 +110,7 @@ async def _put_vector(
         "hook": hook,
         "description": description,
         "updated_at": time.time(),
+        **(extra or {}),
     }
     data: dict[str, Any] = {"hook": hook, "packed": encode_packed(matrix, indices)}
     if description is not None:
@@ -100,17 +122,36 @@ async def _put_vector(
             args=[name, orjson.dumps(meta), nbytes, lim.vector_count, lim.vector_bytes, body],
         )
     if int(status):
-        raise APIError(
-            "vector_quota_exceeded",
-            f"Storing this vector would exceed the tenant's vector quota "
-            f"({lim.vector_count} vectors, {lim.vector_bytes} bytes).",
-            # Waiting does not help: no Retry-After, and the SDKs' retries are told so.
-            headers={"x-should-retry": "false"},
-        )
+        raise _over_quota(lim)
     # Stored: the tenant's vector exists from here on, whatever the engines do.
     await svc.engines.put_vector_everywhere(tenant_id, name, body)
-    out = {k: meta[k] for k in ("name", "digest", "bytes", "layers", "hook")}
-    return _json(out, 200 if prev else 201)
+    return meta, bool(prev)
+
+
+def _over_quota(lim: Any) -> APIError:
+    return APIError(
+        "vector_quota_exceeded",
+        f"Storing this vector would exceed the tenant's vector quota "
+        f"({lim.vector_count} vectors, {lim.vector_bytes} bytes).",
+        # Waiting does not help: no Retry-After, and the SDKs' retries are told so.
+        headers={"x-should-retry": "false"},
+    )
+
+
+async def precheck_quota(svc: Services, tenant_id: str, lim: Any, name: str, nbytes: int) -> None:
+    """Refuse up front a vector that the quota would refuse now (the same rule as
+    put_vector.lua, which still decides atomically when storing): for work that costs
+    tokens before the store, e.g. ``from-examples``."""
+    async with store_errors():
+        rows = await svc.redis.hgetall(keys.vectors(tenant_id))
+    others = [orjson.loads(v) for k, v in rows.items() if _text(k) != name]
+    total = sum(int(m.get("bytes") or 0) for m in others)
+    if len(others) + 1 > lim.vector_count or total + nbytes > lim.vector_bytes:
+        raise _over_quota(lim)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 @router.get("/v1/steering/vectors")
@@ -140,6 +181,7 @@ async def get_vector(
 def _public(meta: dict[str, Any], data: str | None) -> dict[str, Any]:
     """Metadata, plus ``packed`` (exact float32, accepted back by a PUT) when asked."""
     out = {k: meta.get(k) for k in PUBLIC_FIELDS}
+    out.update({k: meta[k] for k in MADE_FIELDS if k in meta})
     if data is not None:
         out["packed"] = orjson.loads(data)["packed"]
     return out

@@ -373,8 +373,33 @@
         el("td", { text: v.hook || "–" }),
         el("td", { text: Array.isArray(v.layers) ? v.layers.join(", ") : String(v.layers ?? "–") }),
         el("td", { class: "num", text: fmtBytes(v.bytes) }),
-        el("td", { class: "id", text: v.digest ? String(v.digest).slice(0, 12) : "–", title: v.digest || "" })));
-    $("vectors").tBodies[0].replaceChildren(...(rows.length ? rows : [emptyRow(5, "No named vectors.")]));
+        el("td", { class: "id", text: v.digest ? String(v.digest).slice(0, 12) : "–", title: v.digest || "" }),
+        el("td", {}, provenanceCell(v))));
+    $("vectors").tBodies[0].replaceChildren(...(rows.length ? rows : [emptyRow(6, "No named vectors.")]));
+  }
+
+  // A vector made by from-examples: how it was made, and its per-layer report (norm,
+  // separation in pooled standard deviations, leave-one-out accuracy) to pick layers.
+  function provenanceCell(v) {
+    const p = v.provenance;
+    if (!p || typeof p !== "object") return el("span", { class: "muted", text: "uploaded" });
+    const counts = p.counts || {};
+    const made = `${p.method} · ${counts.positive ?? "?"}+ / ${counts.negative ?? "?"}− · ` +
+      `${p.position}${p.normalize ? " · unit" : ""}`;
+    const title = `model ${p.model ?? "?"}, made ${p.created ? new Date(toMillis(p.created)).toISOString() : "?"}`;
+    const layers = (v.report && v.report.layers) || {};
+    const fmt = (x, d) => (typeof x === "number" ? x.toFixed(d) : "–");
+    const rows = Object.keys(layers).sort((a, b) => Number(a) - Number(b)).map((l) =>
+      el("tr", {},
+        el("td", { class: "num", text: l }),
+        el("td", { class: "num", text: fmt(layers[l].norm, 3) }),
+        el("td", { class: "num", text: fmt(layers[l].separation, 2) }),
+        el("td", { class: "num", text: fmt(layers[l].accuracy, 2) })));
+    const head = el("tr", {}, ...["layer", "norm", "separation", "accuracy"].map((h) =>
+      el("th", { scope: "col", class: "num", text: h })));
+    return el("details", { class: "report" },
+      el("summary", { text: made, title }),
+      el("table", { class: "report" }, el("thead", {}, head), el("tbody", {}, ...rows)));
   }
 
   // ------------------------------------------------------------------ admin view

@@ -462,3 +462,39 @@ def test_admin_view_in_a_narrow_window_has_no_page_wide_scroll(browser, ops: Ops
         assert page.evaluate("document.documentElement.scrollWidth") <= 361
     finally:
         context.close()
+
+
+def test_a_made_vector_shows_its_provenance_and_report(page, ops: Ops) -> None:  # type: ignore[no-untyped-def]
+    key = ops.tenant("acme")
+    body = {
+        "positive": ["the ocean waves", "ocean tides", "deep ocean"],
+        "negative": ["city streets", "downtown traffic", "tall towers"],
+        "layers": [1, 2],
+    }
+    r = httpx.post(
+        ops.url + "/v1/steering/vectors/sea/from-examples", headers=bearer(key), json=body
+    )
+    assert r.status_code == 201, r.text
+    httpx.put(
+        ops.url + "/v1/steering/vectors/plain",
+        headers=bearer(key),
+        json={"hook": "post_block", "layers": {"1": [0.1] * 8}},
+    )
+    sign_in(page, ops, key)
+    made = page.locator("#vectors tbody tr", has_text="sea")
+    made.wait_for(timeout=REFRESH_WAIT_MS)
+    summary = made.locator("details.report summary")
+    assert "mean_difference · 3+ / 3− · mean" in summary.inner_text()
+    summary.click()
+    report = made.locator("table.report tbody tr")
+    assert report.count() == 2
+    layer1 = r.json()["report"]["layers"]["1"]
+    cells = report.nth(0).locator("td").all_inner_texts()
+    assert cells == [
+        "1",
+        f"{layer1['norm']:.3f}",
+        f"{layer1['separation']:.2f}",
+        f"{layer1['accuracy']:.2f}",
+    ]
+    plain = page.locator("#vectors tbody tr", has_text="plain")
+    assert "uploaded" in plain.inner_text()

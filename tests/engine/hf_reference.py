@@ -1,12 +1,19 @@
 """A ``transformers`` reference for steered greedy decoding, and an HTTP client
 for the engine's completions route that returns token ids and logprobs.
 
-The reference runs ``LlamaForCausalLM`` in float32 on the same weights and adds the
-steering vectors with forward hooks at the same three points vLLM steers:
+The reference runs the model's ``transformers`` class (``AutoModelForCausalLM``,
+eager attention) in float32 on the same weights and adds the steering vectors with
+forward hooks at the points of the residual stream the hooks name, placed from each
+architecture's ``transformers`` modeling code (independently of the engine's
+conventions, which it checks):
 
-* ``pre_attn``  l: forward pre-hook on layer l (the stream entering it);
-* ``post_attn`` l: forward hook on ``layers[l].self_attn`` (attention output, which
-  HF adds to the residual right after: the stream after attention's residual add);
+* ``pre_attn``  l: forward pre-hook on layer l (the stream entering it; for Gemma
+  after the embedding scaling, which the model applies before layer 0);
+* ``post_attn`` l: the stream right after attention's residual add. Most layers do
+  ``residual + self_attn(...)``: forward hook on ``self_attn``. Gemma 2/3 and OLMo 2
+  do ``residual + post_attention_layernorm(self_attn(...))``: forward hook on that
+  norm. Granite does ``residual + self_attn(...) * residual_multiplier``: forward
+  hook on ``self_attn`` adding ``v / residual_multiplier``;
 * ``post_block`` l: forward hook on layer l (its output).
 
 Each greedy step is a full forward over prompt + generated tokens (no KV cache), so
@@ -17,12 +24,16 @@ from __future__ import annotations
 
 import base64
 import math
+import re
+import threading
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import torch
 
@@ -45,11 +56,17 @@ class Generation:
     logprobs: list[float]
 
 
+#: Architectures whose attention output is normed before the residual add.
+_POST_ATTN_NORMED = {"Gemma2ForCausalLM", "Gemma3ForCausalLM", "Olmo2ForCausalLM"}
+
+
 @cache
 def _model(path: str) -> Any:
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    )
     return model.eval()
 
 
@@ -71,6 +88,23 @@ class Clamp:
 def _point(site: Site) -> Site:
     hook, layer = site
     return ("post_block", layer - 1) if hook == "pre_attn" and layer > 0 else site
+
+
+def _post_attn_hook(model: Any, layer: int, vec: torch.Tensor,
+                    add: Any) -> torch.utils.hooks.RemovableHandle:
+    """A hook that adds ``vec`` to the stream right after attention's residual add."""
+    arch = model.config.architectures[0]
+    decoder = model.model.layers[layer]
+    if arch in _POST_ATTN_NORMED:
+        def normed(mod: Any, args: tuple, out: torch.Tensor) -> torch.Tensor:
+            return add(out, vec)
+        return decoder.post_attention_layernorm.register_forward_hook(normed)
+    # Granite scales attention's output by residual_multiplier at the add.
+    scaled = vec / float(getattr(model.config, "residual_multiplier", 1.0) or 1.0)
+
+    def attn(mod: Any, args: tuple, out: Any) -> Any:
+        return (add(out[0], scaled), *out[1:])
+    return decoder.self_attn.register_forward_hook(attn)
 
 
 def reference(
@@ -103,9 +137,7 @@ def reference(
                 return args, {**kwargs, "hidden_states": add(kwargs["hidden_states"], vec)}
             handles.append(layers[layer].register_forward_pre_hook(pre, with_kwargs=True))
         elif hook == "post_attn":
-            def attn(mod: Any, args: tuple, out: Any, vec: torch.Tensor = vec) -> Any:
-                return (add(out[0], vec), *out[1:])
-            handles.append(layers[layer].self_attn.register_forward_hook(attn))
+            handles.append(_post_attn_hook(model, layer, vec, add))
         elif hook == "post_block":
             def block(mod: Any, args: tuple, out: Any, vec: torch.Tensor = vec) -> Any:
                 if isinstance(out, tuple):
@@ -263,7 +295,6 @@ def engine_completion(
 ) -> tuple[Generation, Any]:
     """A greedy completion from ``engine`` (``tests.harness.EngineProcess``) with
     logprobs: (what it generated, the HTTP response, for its headers)."""
-    import httpx
 
     body = completion_body(str(engine.model), prompt, max_tokens, **extra)
     if steering is not None:
@@ -271,6 +302,28 @@ def engine_completion(
     r = httpx.post(f"{engine.url}/v1/completions", json=body, headers=engine.headers, timeout=300)
     assert r.status_code == 200, r.text
     return parse_completion(r.json()), r
+
+
+def iteration_buckets(engine: Any) -> dict[str, float]:
+    text = httpx.get(f"{engine.url}/metrics", headers=engine.headers, timeout=30).text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(
+        r'^vllm:iteration_tokens_total_bucket\{[^}]*le="([^"]+)"[^}]*\} (\S+)$', text, re.M)}
+
+
+def send_together(engine: Any, bodies: list[dict]) -> list[Generation]:
+    """Post every body at the same instant (one shared client, a barrier), so the
+    engine admits them into the same running batch."""
+    barrier = threading.Barrier(len(bodies))
+    with httpx.Client(headers=engine.headers, timeout=300) as client:
+
+        def post(body: dict) -> Generation:
+            barrier.wait()
+            r = client.post(f"{engine.url}/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            return parse_completion(r.json())
+
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            return list(pool.map(post, bodies))
 
 
 def assert_matches(got: Generation, want: Generation, tol: float = TOL) -> None:
@@ -313,7 +366,6 @@ def check_latch_bridges_as_explicit_steering(
 ) -> None:
     """A latch set on one turn steers the next exactly as the explicit field does
     (tokens and logprobs identical, and equal to the reference); then it is deleted."""
-    import httpx
 
     decode = steering_field(MULTIRANK_SITES, "decode")
     explicit, _ = _multirank_completion(engine, decode)
@@ -415,3 +467,24 @@ def rel_err(got: np.ndarray, want: np.ndarray) -> float:
     if want.size == 0:
         return 0.0
     return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30))
+
+
+def check_capture_matches_reference(engine: Any, model: Path) -> None:
+    """A steered request's capture (every hook, tokens all, reduce none) equals the
+    reference: on a multi-rank engine exactly one rank reported each row."""
+    import httpx
+
+    from steergate.shared.capture import decode_capture
+
+    sites = [(h, layer) for h in ("pre_attn", "post_attn", "post_block") for layer in (0, 3)]
+    body = completion_body(str(engine.model), PROMPT, 4,
+                           steering=steering_field(MULTIRANK_SITES),
+                           capture=capture_field(sites, "all", "none"))
+    r = httpx.post(f"{engine.url}/v1/completions", json=body, headers=engine.headers,
+                   timeout=300)
+    assert r.status_code == 200, r.text
+    generated = parse_completion(r.json()).tokens
+    stream = reference_stream(model, PROMPT + generated[:-1], MULTIRANK_SITES, sites)
+    got = decode_capture(r.json()["capture"])
+    for site in sites:
+        assert rel_err(got[(0, *site)], stream[site]) <= 1e-4, site

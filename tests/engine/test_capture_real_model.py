@@ -90,3 +90,45 @@ def test_real_model_capture_equals_reference(
             want = expected_capture(stream[site], len(prompt), cap["tokens"], reduce)
             err = rel_err(got[(0, *site)], want)
             assert err <= TOL, (cap["tokens"], site, err)
+
+
+def _chat_ids(engine: EngineProcess, messages: list[dict]) -> list[int]:
+    r = httpx.post(f"{engine.url}/tokenize", headers=engine.headers, timeout=60,
+                   json={"model": str(engine.model), "messages": messages,
+                         "add_generation_prompt": True})
+    assert r.status_code == 200, r.text
+    return list(r.json()["tokens"])
+
+
+def test_chat_and_responses_capture_their_templated_prompt(
+    real_engine: EngineProcess, real_model: Path
+) -> None:
+    """Chat (non-stream) and Responses (stream: ``response.completed`` carries it)
+    capture the chat-templated prompt, equal to the reference over the same ids."""
+    import json
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = _chat_ids(real_engine, messages)
+    sites = [("post_block", 9), ("pre_attn", 29)]
+    cap = capture_field(sites, "prompt", "none")
+    stream = reference_stream(real_model, ids, None, sites)
+    r = httpx.post(f"{real_engine.url}/v1/chat/completions", headers=real_engine.headers,
+                   timeout=600, json={"model": str(real_engine.model), "messages": messages,
+                                      "max_tokens": 3, "temperature": 0, "capture": cap})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == len(ids)
+    got = decode_capture(r.json()["capture"])
+    for site in sites:
+        assert rel_err(got[(0, *site)], stream[site]) <= TOL, site
+    body = {"model": str(real_engine.model), "input": messages, "max_output_tokens": 3,
+            "temperature": 0, "stream": True, "capture": cap}
+    with httpx.stream("POST", f"{real_engine.url}/v1/responses", json=body,
+                      headers=real_engine.headers, timeout=600) as r:
+        assert r.status_code == 200
+        datas = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    completed = [d for d in datas if d.get("type") == "response.completed"]
+    assert len(completed) == 1
+    got = decode_capture(completed[0]["response"]["capture"])
+    assert completed[0]["response"]["usage"]["input_tokens"] == len(ids)  # same template
+    for site in sites:
+        assert rel_err(got[(0, *site)], stream[site]) <= TOL, site

@@ -21,12 +21,13 @@ from tests.engine.hf_reference import (
     assert_matches,
     capture_field,
     completion_body,
+    iteration_buckets,
     max_abs_diff,
     parse_completion,
     reference,
+    send_together,
     unit_vector,
 )
-from tests.engine.test_reference import _iteration_buckets, _send_together
 from tests.harness import EngineProcess
 
 pytestmark = pytest.mark.engine
@@ -108,9 +109,9 @@ def test_mixed_batch_of_adds_clamps_ablations_and_unsteered_requests(
     alone = [_run(f32_engine, a, c, n=n) for a, c in cases]
     bodies = [_body(f32_engine, a, c, n_tokens=n) for a, c in cases]
     for _attempt in range(3):
-        before = _iteration_buckets(f32_engine)
-        batched = _send_together(f32_engine, bodies)
-        after = _iteration_buckets(f32_engine)
+        before = iteration_buckets(f32_engine)
+        batched = send_together(f32_engine, bodies)
+        after = iteration_buckets(f32_engine)
         shared_steps = (after["8.0"] - after["1.0"]) - (before["8.0"] - before["1.0"])
         if shared_steps >= n // 2:
             break

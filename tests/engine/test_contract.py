@@ -110,26 +110,34 @@ def test_changed_v2_runner_makes_its_load_model_refuse(monkeypatch) -> None:
 # ---- model load: instance attributes and features ----------------------------------
 
 
-class _Layer(nn.Module):
+class LlamaDecoderLayer(nn.Module):
+    """Named and shaped like vLLM's, so the structural check of the Llama convention
+    passes (engine/worker/conventions.py)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.self_attn = nn.Identity()
         self.post_attention_layernorm = nn.Identity()  # where post_attn clamps read the stream
 
+    def forward(self, positions: Any, hidden_states: Any, residual: Any) -> Any:
+        return hidden_states, residual
 
-class _Model(nn.Module):
+
+class LlamaForCausalLM(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.layers = nn.ModuleList([_Layer(), _Layer()])
+        self.layers = nn.ModuleList([LlamaDecoderLayer(), LlamaDecoderLayer()])
 
 
 def fake_v1_runner(**parallel: Any) -> SimpleNamespace:
-    model = _Model()
+    model = LlamaForCausalLM()
     return SimpleNamespace(
         get_model=lambda: model,
         vllm_config=SimpleNamespace(parallel_config=ParallelConfig(**parallel),
                                     compilation_config=CompilationConfig()),
-        model_config=SimpleNamespace(get_hidden_size=lambda: 8, dtype=torch.float32),
+        model_config=SimpleNamespace(get_hidden_size=lambda: 8, dtype=torch.float32,
+                                     architectures=["LlamaForCausalLM"],
+                                     architecture="LlamaForCausalLM"),
         input_batch=SimpleNamespace(req_ids=[], num_reqs=0, num_computed_tokens_cpu=[],
                                     num_prompt_tokens=[]),
         query_start_loc=SimpleNamespace(np=[0]),
@@ -142,6 +150,21 @@ def test_a_well_formed_runner_gets_tables() -> None:
     tables = runner.attach(r, contract.V1_RUNNER_ATTRS)
     assert tables is not None and r._steergate is tables and tables.num_slots == 5
     assert runner.attach(r, contract.V1_RUNNER_ATTRS) is None  # a second load keeps them
+
+
+def test_an_unsupported_architecture_refuses_to_start_unless_steering_is_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from steergate.engine.worker.conventions import UnsupportedArchitecture
+
+    r = fake_v1_runner()
+    r.model_config.architecture = "GemmaForCausalLM"
+    r.model_config.architectures = ["GemmaForCausalLM"]
+    with pytest.raises(UnsupportedArchitecture, match="for GemmaForCausalLM. Supported: "):
+        runner.attach(r, contract.V1_RUNNER_ATTRS)
+    monkeypatch.setenv("STEERGATE_STEERING", "off")
+    assert runner.attach(r, contract.V1_RUNNER_ATTRS) is None
+    assert not hasattr(r, "_steergate")  # no tables, no wrappers: served unsteered
 
 
 def test_microbatching_refuses_to_start() -> None:

@@ -33,6 +33,9 @@ HIDDEN, LAYERS = 8, 4
 
 
 class FakeModelConfig:
+    architectures = ["LlamaForCausalLM"]  # config.json's
+    architecture = "LlamaForCausalLM"  # the vLLM class serving it
+
     def get_hidden_size(self) -> int:
         return HIDDEN
 

@@ -51,3 +51,9 @@ def test_rejects_api_key_and_missing_model(monkeypatch) -> None:
     monkeypatch.setattr(launch.os, "execvpe", lambda *a: pytest.fail("must not exec"))
     assert launch.main(["--model", "/m", "--api-key", "k"]) == 2
     assert launch.main(["--port", "1"]) == 2
+
+
+def test_no_steering_flag_becomes_the_setting_and_is_not_passed_to_vllm() -> None:
+    args, env = launch.apply_no_steering(["--model", "/m", "--no-steering"], {"A": "1"})
+    assert args == ["--model", "/m"] and env == {"A": "1", "STEERGATE_STEERING": "off"}
+    assert launch.apply_no_steering(["--model", "/m"], {}) == (["--model", "/m"], {})

@@ -4,12 +4,8 @@ reference with the vectors added by forward hooks at the same points."""
 
 from __future__ import annotations
 
-import re
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.engine.hf_reference import (
@@ -18,9 +14,10 @@ from tests.engine.hf_reference import (
     assert_matches,
     completion_body,
     engine_completion,
+    iteration_buckets,
     max_abs_diff,
-    parse_completion,
     reference,
+    send_together,
     steering_field,
     unit_vector,
 )
@@ -70,28 +67,6 @@ def test_layer0_pre_attn_steers_the_embeddings(
     assert got.tokens != unsteered.tokens
 
 
-def _iteration_buckets(engine: EngineProcess) -> dict[str, float]:
-    text = httpx.get(f"{engine.url}/metrics", headers=engine.headers, timeout=30).text
-    return {m.group(1): float(m.group(2)) for m in re.finditer(
-        r'^vllm:iteration_tokens_total_bucket\{[^}]*le="([^"]+)"[^}]*\} (\S+)$', text, re.M)}
-
-
-def _send_together(engine: EngineProcess, bodies: list[dict]) -> list[Generation]:
-    """Post every body at the same instant (one shared client, a barrier), so the
-    engine admits them into the same running batch."""
-    barrier = threading.Barrier(len(bodies))
-    with httpx.Client(headers=engine.headers, timeout=300) as client:
-
-        def post(body: dict) -> Generation:
-            barrier.wait()
-            r = client.post(f"{engine.url}/v1/completions", json=body)
-            assert r.status_code == 200, r.text
-            return parse_completion(r.json())
-
-        with ThreadPoolExecutor(len(bodies)) as pool:
-            return list(pool.map(post, bodies))
-
-
 def test_three_differently_steered_requests_in_one_batch_each_match_their_reference(
     f32_engine: EngineProcess, tiny_model: Path
 ) -> None:
@@ -110,9 +85,9 @@ def test_three_differently_steered_requests_in_one_batch_each_match_their_refere
     # decoding together. Scheduling is the engine's, so a run in which the three did
     # not overlap enough is sent again (at most 3 times) before judging.
     for _attempt in range(3):
-        before = _iteration_buckets(f32_engine)
-        batched = _send_together(f32_engine, bodies)
-        after = _iteration_buckets(f32_engine)
+        before = iteration_buckets(f32_engine)
+        batched = send_together(f32_engine, bodies)
+        after = iteration_buckets(f32_engine)
         shared_steps = (after["8.0"] - after["1.0"]) - (before["8.0"] - before["1.0"])
         if shared_steps >= n // 2:
             break

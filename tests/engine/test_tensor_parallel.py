@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.engine.hf_reference import (
+    check_capture_matches_reference,
     check_latch_bridges_as_explicit_steering,
     check_steered_request_matches_reference,
 )
@@ -60,3 +61,7 @@ def test_latch_bridge_on_tp2_equals_explicit_steering(
     tp_engine: EngineProcess, tiny_model: Path
 ) -> None:
     check_latch_bridges_as_explicit_steering(tp_engine, tiny_model, "tp-conv")
+
+
+def test_capture_on_tp2_matches_reference(tp_engine: EngineProcess, tiny_model: Path) -> None:
+    check_capture_matches_reference(tp_engine, tiny_model)

@@ -34,13 +34,17 @@ from steergate.engine.payload import XARGS_KEY, decode_payload
 from steergate.shared import engine_api
 from steergate.shared.settings import EngineSettings
 from steergate.shared.steering import ModelShape
-from tests.gateway import stub_vllm
+from tests.gateway import stub_capture, stub_vllm
 
 HIDDEN, LAYERS = 8, 4
 SHAPE = ModelShape(HIDDEN, LAYERS)
 
 
 class _ModelConfig:
+    max_model_len = stub_vllm.MAX_MODEL_LEN
+    architectures = ["LlamaForCausalLM"]  # config.json's
+    architecture = "LlamaForCausalLM"  # the vLLM class serving it
+
     def get_hidden_size(self) -> int:
         return HIDDEN
 
@@ -48,7 +52,13 @@ class _ModelConfig:
         return LAYERS
 
 
-_ENGINE_CLIENT = SimpleNamespace(vllm_config=SimpleNamespace(model_config=_ModelConfig()))
+_ENGINE_CLIENT = SimpleNamespace(
+    vllm_config=SimpleNamespace(
+        model_config=_ModelConfig(),
+        device_config=SimpleNamespace(device_type="cpu"),
+        compilation_config=SimpleNamespace(cudagraph_mode=None),
+    )
+)
 
 
 def answer_for(body: dict[str, Any]) -> str:
@@ -133,6 +143,9 @@ class StubEngine:
             if body.get("fake_raise"):  # a bug in the engine: nothing handles it
                 raise RuntimeError("stub engine bug")
             logging.getLogger("steergate.stub").info("serving %s", request.url.path)
+            captured = 0 if chat else stub_capture.write_worker_files(body, HIDDEN)
+            if captured:
+                return JSONResponse(stub_capture.completion(body, captured))
             text = answer_for(body)
             if not body.get("stream"):
                 return JSONResponse(_completion(body, chat, text))

@@ -16,6 +16,7 @@ from tests.gateway.ops_env import Ops, installed_cli, ops  # noqa: F401 - fixtur
 ACTIONS = {
     "tenant": ("create", "list", "show", "update", "delete"),
     "key": ("create", "list", "revoke"),
+    "vector": ("from-examples",),
 }
 
 

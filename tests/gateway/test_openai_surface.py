@@ -494,6 +494,9 @@ def test_models_retrieve_and_list_carry_the_steering_shape(gateway: ServerThread
         "hidden_size": HIDDEN,
         "num_layers": 4,
         "hooks": ["pre_attn", "post_attn", "post_block"],
+        # as the engine's /v1/steering/info reports them (the stub serves a Llama)
+        "architecture": "LlamaForCausalLM",
+        "layer_convention": "fused-residual",
     }
     assert model.model_extra["max_model_len"] == 2048
 

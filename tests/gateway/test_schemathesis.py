@@ -26,6 +26,7 @@ RAW_BODY_ROUTES = {
     ("POST", "/v1/chat/completions"),
     ("POST", "/v1/completions"),
     ("PUT", "/v1/steering/vectors/{name}"),
+    ("POST", "/v1/steering/vectors/{name}/from-examples"),
 }
 
 

@@ -1,0 +1,625 @@
+"""What the steering op costs on a GPU: a Llama-3-8B-shaped decode step in a CUDA graph.
+
+The step is built from torch ops (bf16, 32 layers, hidden 4096, RMSNorm, fused QKV, GQA
+``scaled_dot_product_attention`` with 32 query / 8 KV heads of 128 over a 1,024-token KV
+cache per sequence, fused gate/up 2 x 14336, SiLU, down), every token of the step is its
+own sequence (a decode batch), and the whole step is captured in one CUDA graph. The
+steered model is the same step with the project's real ``engine/worker/layers.py``
+wrappers, ``op.py`` (the ``steergate::steer`` custom op, fused Triton kernel on CUDA) and
+``tables.py`` (``SteeringTables.fill`` runs before every replay, as vLLM's runner does).
+
+Variants, interleaved in every repeat (the order rotates) so drift hits all alike:
+
+* ``stock``: the step without the plugin;
+* ``op unsteered``: with the op, index all 0 (a batch with no steered request);
+* ``op steered``: every token its own slot, every site of that slot written;
+* ``alt``: the same op with the kernel launched as one program per token row
+  (BLOCK 4096, 8 warps) instead of 1024-column programs (``--no-alt`` drops it);
+* ``floor``: the same 65 launches of a Triton kernel that does nothing (what a
+  launch per site costs at least; dropped with ``--no-alt`` too);
+* ``before``: the op body as it was (torch ``index_select`` + ``add_``) at all three
+  hooks of every layer (96 sites), for comparison (``--no-before`` drops it).
+
+Printed: per variant the median step time with its interquartile spread, and the
+ratio ``stock / variant`` of the medians (1.0 = free) with the range of the per-repeat
+paired ratios. Before timing it checks on CUDA that the fused kernel equals the torch
+body bit for bit (float32, float16, bfloat16), that a captured graph reads the tables'
+current contents, and that the unsteered step equals the stock step bit for bit.
+
+Where vLLM's CUDA build is installed and ``--vllm-model`` names a model, it also times
+``vllm.LLM.generate`` with the plugin off / on unsteered / on steered (skipped otherwise).
+
+    python bench/steering_overhead_gpu.py                      # ~2 min on one H200
+    python bench/steering_overhead_gpu.py --tokens 1,16 --repeats 9 --out table.txt
+
+Needs only torch (+ Triton for the fused kernel) and numpy; imports steergate from the
+checkout or from ``PYTHONPATH``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if importlib.util.find_spec("steergate") is None:  # run from a checkout, not installed
+    sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+from steergate.engine.payload import Payload  # noqa: E402
+from steergate.engine.worker import fused, op  # noqa: E402
+from steergate.engine.worker.layers import find_decoder_layers, wrap_layers  # noqa: E402
+from steergate.engine.worker.tables import HOOKS, SteeringTables, StepRequest  # noqa: E402
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN = 4096, 32, 8, 128, 14336
+EPS = 1e-5
+DT = torch.bfloat16
+DEVICE = "cuda"  # a CPU smoke run of the model code sets "cpu"
+# The fused kernel's launch shape for the "alt" variants: one program per token row.
+ALT_BLOCK, ALT_WARPS = 4096, 8
+
+
+# ---- the model: vLLM's (hidden_states, residual) convention -----------------------
+
+
+class _Attn(nn.Module):
+    def __init__(self, w: dict[str, torch.Tensor], kv: tuple[torch.Tensor, torch.Tensor]):
+        super().__init__()
+        self.w, self.k_cache, self.v_cache = w, kv[0], kv[1]
+
+    def forward(self, positions: torch.Tensor | None, hidden_states: torch.Tensor) -> torch.Tensor:
+        t = hidden_states.shape[0]
+        qkv = F.linear(hidden_states, self.w["qkv"])
+        q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], -1)
+        k_cache, v_cache = self.k_cache[:t], self.v_cache[:t]
+        # The new token's K/V go to the last position of each sequence's cache.
+        k_cache[:, :, -1].copy_(k.view(t, KV_HEADS, HEAD_DIM))
+        v_cache[:, :, -1].copy_(v.view(t, KV_HEADS, HEAD_DIM))
+        out = F.scaled_dot_product_attention(
+            q.view(t, HEADS, 1, HEAD_DIM), k_cache, v_cache, enable_gqa=True
+        )
+        return F.linear(out.reshape(t, HEADS * HEAD_DIM), self.w["o"])
+
+
+class _Layer(nn.Module):
+    def __init__(self, w: dict[str, torch.Tensor], kv: tuple[torch.Tensor, torch.Tensor]):
+        super().__init__()
+        self.w = w
+        self.self_attn = _Attn(w, kv)
+
+    def forward(
+        self,
+        positions: torch.Tensor | None,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = hidden_states if residual is None else hidden_states + residual
+        x = F.rms_norm(residual, (HIDDEN,), self.w["ln1"], EPS)
+        attn = self.self_attn(positions, x)
+        residual = attn + residual
+        x = F.rms_norm(residual, (HIDDEN,), self.w["ln2"], EPS)
+        gate, up = F.linear(x, self.w["gate_up"]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.w["down"]), residual
+
+
+class _Model(nn.Module):
+    def __init__(self, weights: list[dict[str, torch.Tensor]], kv: list[tuple[torch.Tensor, ...]]):
+        super().__init__()
+        self.layers = nn.ModuleList([_Layer(w, c) for w, c in zip(weights, kv, strict=True)])  # type: ignore[arg-type]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden, residual = layer(None, hidden, residual)
+        assert residual is not None
+        return hidden + residual
+
+
+def _weights(layers: int, gen: torch.Generator) -> list[dict[str, torch.Tensor]]:
+    def mat(rows: int, cols: int) -> torch.Tensor:
+        return torch.empty(rows, cols, dtype=DT, device=DEVICE).normal_(
+            0, cols**-0.5, generator=gen
+        )
+
+    qkv_out = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    return [
+        {
+            "ln1": torch.ones(HIDDEN, dtype=DT, device=DEVICE),
+            "ln2": torch.ones(HIDDEN, dtype=DT, device=DEVICE),
+            "qkv": mat(qkv_out, HIDDEN),
+            "o": mat(HIDDEN, HEADS * HEAD_DIM),
+            "gate_up": mat(2 * FFN, HIDDEN),
+            "down": mat(HIDDEN, FFN),
+        }
+        for _ in range(layers)
+    ]
+
+
+def _kv(
+    layers: int, max_tokens: int, ctx: int, gen: torch.Generator
+) -> list[tuple[torch.Tensor, ...]]:
+    shape = (max_tokens, KV_HEADS, ctx, HEAD_DIM)
+    return [
+        tuple(torch.empty(shape, dtype=DT, device=DEVICE).normal_(generator=gen) for _ in range(2))
+        for _ in range(layers)
+    ]
+
+
+def _wrap_before(model: _Model, tables: SteeringTables) -> None:
+    """The op as it was: torch gather + add at all three hooks of every layer."""
+    index = tables.index
+
+    def site(table: torch.Tensor) -> Callable[[torch.Tensor], None]:
+        return lambda h: op.torch_steer(h, table, index)
+
+    for i, layer in enumerate(model.layers):
+        pre, post = site(tables.tables[("pre_attn", i)]), site(tables.tables[("post_block", i)])
+        mid = site(tables.tables[("post_attn", i)])
+        fwd, attn_fwd = layer.forward, layer.self_attn.forward
+
+        def layer_forward(positions, hidden_states, residual, _f=fwd, _pre=pre, _post=post):
+            _pre(hidden_states)
+            out = _f(positions, hidden_states, residual)
+            _post(out[0])
+            return out
+
+        def attn_forward(positions, hidden_states, _f=attn_fwd, _mid=mid):
+            out = _f(positions, hidden_states)
+            _mid(out)
+            return out
+
+        layer.forward = layer_forward
+        layer.self_attn.forward = attn_forward
+
+
+@functools.cache
+def _empty_kernel() -> Any:
+    """A kernel with the op's signature that does nothing: the launch floor."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def empty(hidden_ptr, table_ptr, index_ptr, hidden_stride, table_stride, width,
+              BLOCK: tl.constexpr):
+        tl.program_id(0)  # references tl, so Triton resolves the annotation
+
+    return empty
+
+
+# ---- checks -------------------------------------------------------------------
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def check_kernel() -> list[str]:
+    """Fused kernel (and the op's CUDA dispatch) == torch body, bit for bit."""
+    lines = []
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for width in (4096, 577, 1000):
+            slots, tokens = 257, 300
+            table = (torch.randn(slots, width, device="cuda", generator=gen)).to(dtype)
+            table[0] = 0
+            hidden = (torch.randn(tokens, width, device="cuda", generator=gen) * 4).to(dtype)
+            index = torch.randint(0, slots, (tokens + 16,), device="cuda", generator=gen)
+            index[0], index[1], index[2] = 0, slots - 1, 0
+            want = hidden.clone()
+            op.torch_steer(want, table, index)
+            got = hidden.clone()
+            fused.gather_add(got, table, index)
+            via_op = hidden.clone()
+            torch.ops.steergate.steer(via_op, table, index)
+            same = torch.equal(_bits(got), _bits(want)) and torch.equal(_bits(via_op), _bits(want))
+            untouched = torch.equal(_bits(got[0]), _bits(hidden[0]))
+            lines.append(
+                f"  kernel == torch op  {str(dtype):15} width {width:5}: "
+                f"{'bit-identical' if same and untouched else 'MISMATCH'}"
+            )
+    return lines
+
+
+def check_graph_reads_tables() -> list[str]:
+    """A captured graph sees rows written and index filled after capture."""
+    width, tokens = 4096, 8
+    t = SteeringTables(
+        hidden_size=width,
+        layers=[0],
+        num_slots=5,
+        max_tokens=64,
+        dtype=torch.float32,
+        device=DEVICE,
+    )
+    table = t.tables[("post_block", 0)]
+    x = torch.randn(tokens, width, device=DEVICE)
+    out = torch.empty_like(x)
+
+    def body() -> None:
+        y = x * 2
+        op.apply(y, table, t.index)
+        out.copy_(y + 1)
+
+    body()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        body()
+    results = []
+    rng = np.random.default_rng(0)
+    for round_ in range(3):
+        vecs = {f"r{round_}-{i}": rng.normal(size=width).astype(np.float32) for i in range(2)}
+        for rid, vec in vecs.items():
+            t.add_request(rid, Payload("all", {("post_block", 0): vec}, digest=rid))
+        # tokens 0-2 request A, 3 unsteered, 4-6 request B, 7 unsteered
+        ids = list(vecs)
+        t.fill([StepRequest(ids[0], 0, 3, 0, 3), StepRequest(ids[1], 4, 7, 0, 3)], tokens)
+        g.replay()
+        torch.cuda.synchronize()
+        want = x * 2
+        for lo, hi, rid in ((0, 3, ids[0]), (4, 7, ids[1])):
+            want[lo:hi] += torch.from_numpy(vecs[rid]).cuda()
+        want += 1
+        results.append(torch.equal(out, want))
+        for rid in ids:
+            t.remove_request(rid)
+    t.fill([], tokens)
+    g.replay()
+    torch.cuda.synchronize()
+    results.append(torch.equal(out, x * 2 + 1))
+    ok = all(results)
+    return [
+        f"  captured graph reads current tables (3 rounds of new requests, then none): "
+        f"{'yes' if ok else 'NO ' + str(results)}"
+    ]
+
+
+# ---- timing -------------------------------------------------------------------
+
+
+def _capture(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    """Capture ``fn`` in its own graph (own memory pool: a pool shared across token
+    counts tripped an allocator assert in torch 2.11 once earlier graphs were freed)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    return g
+
+
+def _q(xs: list[float], p: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(p * (len(s) - 1))))]
+
+
+def bench_tokens(
+    n: int,
+    models: dict[str, _Model],
+    tables: SteeringTables,
+    reqs: list[StepRequest],
+    args: argparse.Namespace,
+) -> tuple[dict[str, list[float]], str, bool]:
+    x = torch.empty(n, HIDDEN, dtype=DT, device=DEVICE).normal_()
+    outs = {name: torch.empty(n, HIDDEN, dtype=DT, device=DEVICE) for name in models}
+    steered = reqs[:n]
+
+    def fill_none() -> None:
+        tables.fill([], n)
+
+    def fill_steered() -> None:
+        tables.fill(steered, n)
+
+    graphs = {}
+    default_shape = fused.BLOCK, fused.NUM_WARPS
+    for name, model in models.items():
+
+        def step(model: _Model = model, out: torch.Tensor = outs[name]) -> None:
+            out.copy_(model(x.clone()))  # the op adds in place: never into x itself
+
+        fill_none()
+        # A graph keeps the launch shape and kernel it was captured with.
+        fused.BLOCK, fused.NUM_WARPS = (ALT_BLOCK, ALT_WARPS) if name == "alt" else default_shape
+        kernel = fused._kernel
+        if name == "floor":
+            fused._kernel = _empty_kernel  # type: ignore[assignment]
+        try:
+            graphs[name] = _capture(step)
+        finally:
+            fused.BLOCK, fused.NUM_WARPS = default_shape
+            fused._kernel = kernel  # type: ignore[method-assign]
+
+    # Same step, index all 0: should equal the stock step bit for bit (if the stock
+    # step itself replays bit-identically); steered must differ.
+    fill_none()
+    graphs["stock"].replay()
+    torch.cuda.synchronize()
+    first = outs["stock"].clone()
+    graphs["stock"].replay()
+    graphs["op"].replay()
+    torch.cuda.synchronize()
+    diff = (outs["stock"].float() - outs["op"].float()).abs().max().item()
+    unsteered_equal = (
+        f"{'yes' if torch.equal(_bits(outs['stock']), _bits(outs['op'])) else 'NO'} "
+        f"(max |d| {diff:.3g}; stock replays identical: "
+        f"{'yes' if torch.equal(_bits(first), _bits(outs['stock'])) else 'NO'})"
+    )
+    fill_steered()
+    graphs["op"].replay()
+    torch.cuda.synchronize()
+    steered_differs = not torch.equal(_bits(outs["stock"]), _bits(outs["op"]))
+
+    variants: list[tuple[str, torch.cuda.CUDAGraph, Callable[[], None] | None]] = [
+        ("stock", graphs["stock"], None),
+        ("op unsteered", graphs["op"], fill_none),
+        ("op steered", graphs["op"], fill_steered),
+    ]
+    if "alt" in graphs:
+        variants.append(("alt unsteered", graphs["alt"], fill_none))
+        variants.append(("alt steered", graphs["alt"], fill_steered))
+    if "floor" in graphs:
+        variants.append(("floor (empty kernel)", graphs["floor"], fill_none))
+    if "before" in graphs:
+        variants.append(("before unsteered", graphs["before"], fill_none))
+        variants.append(("before steered", graphs["before"], fill_steered))
+    times: dict[str, list[float]] = {name: [] for name, _, _ in variants}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for rep in range(args.repeats):
+        k = rep % len(variants)
+        for name, g, fill in variants[k:] + variants[:k]:
+            if fill:
+                fill()
+            g.replay()  # absorbs an index change between variants
+            start.record()
+            for _ in range(args.replays):
+                if fill:
+                    fill()
+                g.replay()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) / args.replays)
+    return times, unsteered_equal, steered_differs
+
+
+def _fmt_ms(xs: list[float]) -> str:
+    med = statistics.median(xs)
+    iqr = (_q(xs, 0.75) - _q(xs, 0.25)) / med * 100
+    return f"{med:7.3f} ±{iqr:.1f}%"
+
+
+def _fmt_ratio(stock: list[float], var: list[float]) -> str:
+    paired = [s / v for s, v in zip(stock, var, strict=True)]
+    ratio = statistics.median(stock) / statistics.median(var)
+    return f"{ratio:.3f} [{min(paired):.3f}-{max(paired):.3f}]"
+
+
+def run_synthetic(args: argparse.Namespace, emit: Callable[[str], None]) -> None:
+    token_counts = [int(t) for t in args.tokens.split(",")]
+    max_t = max(token_counts)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    t0 = time.perf_counter()
+    weights = _weights(args.layers, gen)
+    kv = _kv(args.layers, max_t, args.ctx, gen)
+    models = {"stock": _Model(weights, kv), "op": _Model(weights, kv)}
+    tables = SteeringTables(
+        hidden_size=HIDDEN,
+        layers=list(range(args.layers)),
+        num_slots=max_t + 1,
+        max_tokens=max_t,
+        dtype=DT,
+        device=DEVICE,
+    )
+    layers, present = find_decoder_layers(models["op"])
+    wrap_layers(layers, present, tables)
+    for extra in ("alt", "floor") if args.alt else ():
+        models[extra] = _Model(weights, kv)
+        extra_layers, _ = find_decoder_layers(models[extra])
+        wrap_layers(extra_layers, present, tables)
+    if args.before:
+        models["before"] = _Model(weights, kv)
+        _wrap_before(models["before"], tables)
+    # One distinct configuration per token, written at every site.
+    rng = np.random.default_rng(0)
+    base = {
+        (h, layer): (rng.normal(size=HIDDEN) * 0.02).astype(np.float32)
+        for h in HOOKS
+        for layer in range(args.layers)
+    }
+    reqs = []
+    for i in range(max_t):
+        rid = f"req{i}"
+        tables.add_request(
+            rid, Payload("all", {s: v * (1 + i / max_t) for s, v in base.items()}, rid)
+        )
+        reqs.append(StepRequest(rid, i, i + 1, first_pos=args.ctx, num_prompt_tokens=16))
+    tables.fill(reqs, max_t)  # takes the slots and writes the rows once
+    torch.cuda.synchronize()
+    op_sites = sum(1 for i in present if not tables.shares_table_with_previous_layer(i)) + 2 * len(
+        present
+    )
+    emit(
+        f"setup {time.perf_counter() - t0:.1f} s: {args.layers} layers, KV cache {args.ctx} tokens "
+        f"per sequence, {max_t + 1} slots, op at {op_sites} sites per step (was {3 * args.layers})"
+    )
+
+    rows = []
+    for n in token_counts:
+        t1 = time.perf_counter()
+        times, same, differs = bench_tokens(n, models, tables, reqs, args)
+        rows.append((n, times))
+        emit(
+            f"  tokens {n:3}: {time.perf_counter() - t1:.1f} s; unsteered step == stock bit for "
+            f"bit: {same}; steered step differs from stock: "
+            f"{'yes' if differs else 'NO'}"
+        )
+    names = [k for k in rows[0][1] if k != "stock"]
+    emit("")
+    emit(
+        f"step time, ms (median ±IQR), {args.repeats} interleaved repeats x {args.replays} replays"
+    )
+    emit("| tokens | stock | " + " | ".join(names) + " |")
+    emit("|---|---|" + "---|" * len(names))
+    for n, times in rows:
+        emit(
+            f"| {n} | {_fmt_ms(times['stock'])} | "
+            + " | ".join(_fmt_ms(times[k]) for k in names)
+            + " |"
+        )
+    emit("")
+    emit("stock / variant (1.0 = free): ratio of medians [range of per-repeat paired ratios]")
+    emit("| tokens | " + " | ".join(names) + " |")
+    emit("|---|" + "---|" * len(names))
+    for n, times in rows:
+        emit(f"| {n} | " + " | ".join(_fmt_ratio(times["stock"], times[k]) for k in names) + " |")
+
+
+# ---- through vLLM (where its CUDA build is installed) ----------------------------
+
+_VLLM_CHILD = r"""
+import json, sys, time, numpy as np
+from vllm import LLM, SamplingParams
+cfg = json.loads(sys.argv[1])
+llm = LLM(cfg["model"], max_num_seqs=max(cfg["batches"]), gpu_memory_utilization=0.6)
+hf = llm.llm_engine.model_config.hf_config
+out = {}
+for b in cfg["batches"]:
+    extra = [None] * b
+    if cfg["mode"] == "steered":
+        from steergate.engine.payload import encode_payload
+        rng = np.random.default_rng(b)
+        def sites():
+            return {(h, l): (rng.normal(size=hf.hidden_size) * 0.01).astype(np.float32)
+                    for h in ("pre_attn", "post_attn", "post_block")
+                    for l in range(hf.num_hidden_layers)}
+        extra = [{"steergate": encode_payload("all", sites())[0]} for _ in range(b)]
+    params = [SamplingParams(max_tokens=cfg["max_tokens"], ignore_eos=True, extra_args=e)
+              for e in extra]
+    prompts = [{"prompt_token_ids": [100 + (i + j) % 1000 for j in range(16)]} for i in range(b)]
+    llm.generate(prompts, params, use_tqdm=False)
+    runs = []
+    for _ in range(cfg["repeats"]):
+        t0 = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        runs.append(b * cfg["max_tokens"] / (time.perf_counter() - t0))
+    out[b] = runs
+print("RESULT " + json.dumps(out))
+"""
+
+
+def run_vllm(args: argparse.Namespace, emit: Callable[[str], None]) -> None:
+    if importlib.util.find_spec("vllm") is None:
+        emit("vLLM: not installed here; the vllm.LLM comparison is skipped")
+        return
+    if torch.version.cuda is None:
+        emit("vLLM: this torch has no CUDA build; the vllm.LLM comparison is skipped")
+        return
+    if not args.vllm_model:
+        emit("vLLM: no --vllm-model given; the vllm.LLM comparison is skipped")
+        return
+    batches = [int(t) for t in args.tokens.split(",")]
+    results = {}
+    for mode in ("stock", "unsteered", "steered"):
+        env = dict(os.environ)
+        if mode == "stock":
+            env["VLLM_PLUGINS"] = ""  # no general plugin: vLLM without steergate
+        cfg = {
+            "model": args.vllm_model,
+            "batches": batches,
+            "mode": mode,
+            "max_tokens": 64,
+            "repeats": max(3, args.repeats // 3),
+        }
+        proc = subprocess.run(
+            [sys.executable, "-c", _VLLM_CHILD, json.dumps(cfg)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+        if line is None:
+            emit(f"vLLM {mode}: failed (rc {proc.returncode}): {proc.stderr.strip()[-400:]}")
+            return
+        results[mode] = {int(k): v for k, v in json.loads(line[7:]).items()}
+    emit("")
+    emit(f"vllm.LLM {args.vllm_model}: decode tok/s median; ratio = variant / stock")
+    emit("| batch | stock | unsteered | steered | unsteered/stock | steered/stock |")
+    emit("|---|---|---|---|---|---|")
+    for b in batches:
+        s, u, st = (statistics.median(results[m][b]) for m in ("stock", "unsteered", "steered"))
+        emit(f"| {b} | {s:.0f} | {u:.0f} | {st:.0f} | {u / s:.3f} | {st / s:.3f} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", default="1,4,16,64,256")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--ctx", type=int, default=1024, help="KV cache tokens per sequence")
+    ap.add_argument("--repeats", type=int, default=21)
+    ap.add_argument("--replays", type=int, default=10, help="graph replays per timed run")
+    ap.add_argument("--no-before", dest="before", action="store_false")
+    ap.add_argument(
+        "--no-alt",
+        dest="alt",
+        action="store_false",
+        help="drop the variants with the kernel launched one program per row",
+    )
+    ap.add_argument("--vllm-model", help="a model folder for the vllm.LLM comparison")
+    ap.add_argument("--out", help="also write the printed report here")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("steering_overhead_gpu: needs a CUDA device; nothing measured", file=sys.stderr)
+        return 2
+    lines: list[str] = []
+
+    def emit(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    t0 = time.perf_counter()
+    emit(
+        f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}, "
+        f"CUDA {torch.version.cuda}, "
+        f"Triton {'yes' if fused.available() else 'NO (torch body)'}"
+    )
+    emit("checks:")
+    try:
+        for line in check_kernel():
+            emit(line)
+    except Exception as exc:  # report it, then measure the torch body instead
+        emit(f"  fused kernel FAILED ({type(exc).__name__}: {exc}); timing the torch body")
+        traceback.print_exc()
+        fused.available = lambda: False  # type: ignore[assignment]
+    for line in check_graph_reads_tables():
+        emit(line)
+    run_synthetic(args, emit)
+    run_vllm(args, emit)
+    emit(f"total {time.perf_counter() - t0:.0f} s")
+    if args.out:
+        Path(args.out).write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

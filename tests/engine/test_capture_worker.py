@@ -1,0 +1,114 @@
+"""The worker's capture plan and the worker -> API server files, without vLLM: steps
+laid out as vLLM lays them out (flattened rows, first position per request), through
+the real op, the real files and the API server's collector."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from steergate.engine import capture_io
+from steergate.engine.worker import capture
+
+H = 4
+SITE = ("post_block", 1)
+
+
+def _state(tmp_path: Path) -> capture.CaptureState:
+    return capture.CaptureState(frozenset({0, 1}), H, writer=True, directory=tmp_path)
+
+
+def _stream(positions: list[int]) -> torch.Tensor:
+    """A stream whose row for position p is [p, p, p, p] (so rows name their position)."""
+    return torch.tensor([[float(p)] * H for p in positions])
+
+
+def _step(st: capture.CaptureState, layout: list[tuple[str, int, int, int]],
+          prompt_len: dict[str, int]) -> None:
+    """One step: ``layout`` is (req_id, first position, rows, flattened start)."""
+    st.plan_step([(r, start, start + n, pos, prompt_len[r]) for r, pos, n, start in layout])
+    rows: list[int] = []
+    for _r, pos, n, _start in sorted(layout, key=lambda x: x[3]):
+        rows += list(range(pos, pos + n))
+    capture.install_state(st)
+    try:
+        capture.read(_stream(rows), None, *SITE)
+    finally:
+        capture.install_state(None)
+    st.flush()
+
+
+@pytest.mark.parametrize(("tokens", "want"), [
+    ("prompt", list(range(6))), ("generated", [6, 7, 8]), ("all", list(range(9))),
+])
+def test_chunks_and_a_preemption_capture_each_position_once(
+    tmp_path: Path, tokens: str, want: list[int]
+) -> None:
+    st = _state(tmp_path)
+    cid = capture_io.new_capture_id()
+    payload = capture_io.CapturePayload(cid, (SITE, ("pre_attn", 7)), tokens, "none")
+    st.add_request("cmpl-x-0-0a1b2c3d", payload)
+    other = "cmpl-y-0-0a1b2c3d"  # a plain request sharing the steps
+    lens = {"cmpl-x-0-0a1b2c3d": 6, other: 3}
+    _step(st, [("cmpl-x-0-0a1b2c3d", 0, 4, 0), (other, 0, 3, 4)], lens)  # chunk 1 of the prompt
+    _step(st, [(other, 3, 1, 0), ("cmpl-x-0-0a1b2c3d", 4, 2, 1)], lens)  # chunk 2
+    _step(st, [("cmpl-x-0-0a1b2c3d", 6, 1, 0)], lens)  # first generated token fed back
+    # preempted, then recomputed from position 0 in one chunk together with two more
+    _step(st, [("cmpl-x-0-0a1b2c3d", 0, 9, 0)], lens)
+    got = capture_io.collect(cid, tmp_path)
+    assert list(got) == ["cmpl-x-0-0a1b2c3d"]
+    rows = got["cmpl-x-0-0a1b2c3d"][SITE]
+    assert rows[:, 0].tolist() == want  # each position once, in order
+    assert ("pre_attn", 7) not in got["cmpl-x-0-0a1b2c3d"]  # not on this rank's layers
+    assert not list(tmp_path.iterdir())  # collected files are deleted
+
+
+def test_mean_and_last_combine_records(tmp_path: Path) -> None:
+    st = _state(tmp_path)
+    for reduce in ("mean", "last"):
+        cid = capture_io.new_capture_id()
+        st.add_request(reduce, capture_io.CapturePayload(cid, (SITE,), "all", reduce))
+        _step(st, [(reduce, 0, 3, 0)], {reduce: 5})
+        _step(st, [(reduce, 3, 2, 0)], {reduce: 5})
+        rows = capture_io.collect(cid, tmp_path)[reduce][SITE]
+        want = [2.0] * H if reduce == "mean" else [4.0] * H
+        np.testing.assert_allclose(rows, [want])
+
+
+def test_a_step_without_capture_plans_nothing(tmp_path: Path) -> None:
+    st = _state(tmp_path)
+    st.plan_step([("a", 0, 5, 0, 5)])
+    assert st.plan == []
+    st.add_request("b", capture_io.CapturePayload(capture_io.new_capture_id(), (SITE,),
+                                                  "generated", "none"))
+    st.plan_step([("b", 0, 5, 0, 5)])  # only prompt positions this step
+    assert st.plan == []
+
+
+def test_only_tensor_parallel_rank_0_writes(tmp_path: Path) -> None:
+    st = capture.CaptureState(frozenset({1}), H, writer=False, directory=tmp_path)
+    st.add_request("a", capture_io.CapturePayload(capture_io.new_capture_id(), (SITE,), "all",
+                                                  "none"))
+    assert st.reqs == {}
+
+
+@pytest.mark.parametrize(("req_id", "n", "prompt_list", "index"), [
+    ("cmpl-abc-0-0a1b2c3d", 1, True, 0),
+    ("cmpl-abc-3-0a1b2c3d", 1, True, 3),
+    ("1_cmpl-abc-2-0a1b2c3d", 2, True, 5),
+    ("chatcmpl-req-7-0a1b2c3d", 1, False, 0),  # a chat id ending in digits is not a list
+    ("2_chatcmpl-req-0a1b2c3d", 3, False, 2),
+])
+def test_engine_request_ids_map_to_choice_indices(
+    req_id: str, n: int, prompt_list: bool, index: int
+) -> None:
+    assert capture_io.choice_index(req_id, n, prompt_list) == index
+
+
+def test_payload_refuses_a_capture_id_that_is_not_32_hex() -> None:
+    with pytest.raises(ValueError):
+        capture_io.decode_payload(capture_io.encode_payload("../../etc", [SITE], "all", "none"))
+    assert capture_io.collect("../x") == {}

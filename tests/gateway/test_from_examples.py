@@ -1,0 +1,232 @@
+"""``POST /v1/steering/vectors/{name}/from-examples`` through a real gateway and
+Redis, with the real endpoint plugin in front of the stub engine, whose capture gives
+each prompt a deterministic fake activation (``stub_capture.py``): the stored vector,
+its provenance and report, its use by name (also after an engine restart), tenant
+isolation, admission, and hostile bodies."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from steergate.shared.steering import parse_layers_or_packed
+from tests.gateway.conftest import FakeEngine, make_tenant
+from tests.gateway.servers import ServerThread
+from tests.gateway.stub_capture import fake_activation
+from tests.gateway.stub_engine import HIDDEN, LAYERS
+
+OCEAN = ["the ocean waves", "ocean tides roll", "deep ocean blue", "ocean spray"]
+CITY = ["the city streets", "traffic downtown", "tall buildings", "subway trains"]
+
+
+def make(gw: ServerThread, key: str, name: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(
+        f"{gw.url}/v1/steering/vectors/{name}/from-examples",
+        json=body,
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=60,
+    )
+
+
+def get(gw: ServerThread, key: str, path: str) -> httpx.Response:
+    return httpx.get(gw.url + path, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+
+
+def chat(gw: ServerThread, key: str, name: str) -> httpx.Response:
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        "steering": {"vectors": [{"name": name, "scale": 2}]},
+    }
+    return httpx.post(
+        gw.url + "/v1/chat/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=30,
+    )
+
+
+def stored(gw: ServerThread, key: str, name: str) -> dict[int, np.ndarray]:
+    doc = get(gw, key, f"/v1/steering/vectors/{name}?include=data").json()
+    return parse_layers_or_packed({"packed": doc["packed"]}, None, None)
+
+
+def test_mean_difference_is_stored_with_provenance_and_report(
+    gateway: ServerThread, redis_url: str
+) -> None:
+    key = make_tenant(redis_url, "acme")
+    r = make(gateway, key, "ocean", {"positive": OCEAN, "negative": CITY, "layers": [1, 3]})
+    assert r.status_code == 201, r.text
+    doc = r.json()
+    assert doc["name"] == "ocean" and doc["layers"] == [1, 3] and doc["hook"] == "post_block"
+    prov = doc["provenance"]
+    assert prov["method"] == "mean_difference" and prov["position"] == "mean"
+    assert prov["counts"] == {"positive": 4, "negative": 4} and prov["model"] == "stub"
+    assert set(doc["report"]["layers"]) == {"1", "3"}
+    assert doc["report"]["usage"] == {
+        "prompt_tokens": 40,  # the stub reports 5 per prompt and 1 generated token each
+        "completion_tokens": 8,
+        "total_tokens": 48,
+    }
+    # The stored vector is the mean difference of the activations, computed apart.
+    vectors = stored(gateway, key, "ocean")
+    for layer in (1, 3):
+        pos = np.mean([fake_activation(t, "post_block", layer, "mean", HIDDEN) for t in OCEAN], 0)
+        neg = np.mean([fake_activation(t, "post_block", layer, "mean", HIDDEN) for t in CITY], 0)
+        np.testing.assert_allclose(vectors[layer], pos - neg, rtol=1e-5, atol=1e-6)
+        rep = doc["report"]["layers"][str(layer)]
+        assert rep["norm"] == pytest.approx(float(np.linalg.norm(pos - neg)), rel=1e-5)
+        assert 0.0 <= rep["accuracy"] <= 1.0
+    # The planted concept grows with depth: the deeper layer separates better.
+    assert doc["report"]["layers"]["3"]["separation"] > doc["report"]["layers"]["1"]["separation"]
+    # Listed with its provenance, like any vector.
+    listed = get(gateway, key, "/v1/steering/vectors").json()["data"]
+    assert listed[0]["name"] == "ocean" and listed[0]["provenance"]["source"] == "from-examples"
+    assert listed[0]["report"]["examples"]["positive"] == 4
+
+
+def test_layers_all_position_last_normalize_and_messages(
+    gateway: ServerThread, fake_engine: FakeEngine, redis_url: str
+) -> None:
+    key = make_tenant(redis_url, "acme")
+    chats = [[{"role": "user", "content": t}] for t in OCEAN[:2]]
+    body = {
+        "positive": [*OCEAN[2:], *chats],
+        "negative": CITY,
+        "layers": "all",
+        "position": "last",
+        "normalize": True,
+        "method": "pca",
+        "description": "sea",
+    }
+    r = make(gateway, key, "sea", body)
+    assert r.status_code == 201, r.text
+    assert r.json()["layers"] == list(range(LAYERS))
+    for vec in stored(gateway, key, "sea").values():
+        assert np.linalg.norm(vec) == pytest.approx(1.0, abs=1e-5)
+    sent = [b for b in fake_engine.state.requests if b.get("capture")]
+    assert {b["capture"]["reduce"] for b in sent} == {"last"}
+    # The messages examples went to the engine as token ids (templated by /tokenize).
+    assert any(isinstance(b["prompt"][0], list) for b in sent)
+    assert any(isinstance(b["prompt"][0], str) for b in sent)
+    assert all(b["max_tokens"] == 1 and b["cache_salt"] for b in sent)
+
+
+def test_made_vector_steers_by_name_and_survives_an_engine_restart(
+    gateway: ServerThread, fake_engine: FakeEngine, redis_url: str
+) -> None:
+    key = make_tenant(redis_url, "acme")
+    assert make(gateway, key, "ocean", {"positive": OCEAN, "negative": CITY}).status_code == 201
+    first = chat(gateway, key, "ocean")
+    assert first.status_code == 200 and first.json()["steering"]["applied"] is True
+    fake_engine.state.restart()  # the engine's copy is gone; Redis still has it
+    assert not fake_engine.state.vectors
+    again = chat(gateway, key, "ocean")
+    assert again.status_code == 200, again.text
+    # The same steering as before the restart (the stub answers with its digest).
+    assert again.json()["choices"][0]["message"] == first.json()["choices"][0]["message"]
+
+
+def test_another_tenant_sees_and_uses_nothing(gateway: ServerThread, redis_url: str) -> None:
+    owner = make_tenant(redis_url, "acme")
+    other = make_tenant(redis_url, "globex")
+    assert make(gateway, owner, "ocean", {"positive": OCEAN, "negative": CITY}).status_code == 201
+    assert get(gateway, other, "/v1/steering/vectors/ocean").status_code == 404
+    assert get(gateway, other, "/v1/steering/vectors").json()["data"] == []
+    r = chat(gateway, other, "ocean")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_vector"
+    # Its own vector of the same name leaves the owner's alone.
+    assert make(gateway, other, "ocean", {"positive": CITY, "negative": OCEAN}).status_code == 201
+    mine, theirs = stored(gateway, owner, "ocean"), stored(gateway, other, "ocean")
+    np.testing.assert_allclose(mine[0], -theirs[0], rtol=1e-5, atol=1e-6)
+
+
+def test_tokens_are_admitted_and_settled(gateway: ServerThread, redis_url: str) -> None:
+    key = make_tenant(redis_url, "acme", tpm=100)
+    r = make(gateway, key, "v", {"positive": OCEAN, "negative": CITY})
+    assert r.status_code == 201
+    assert int(r.headers["x-ratelimit-remaining-tokens"]) < 100
+    time.sleep(0.3)  # settlement is batched off the hot path: 48 used of 100
+    big = ["ocean " * 100] * 4  # ~150 estimated tokens per side: over tpm
+    r = make(gateway, key, "w", {"positive": big, "negative": CITY})
+    assert r.status_code == 429
+
+
+def test_vector_quota_applies_before_any_tokens_are_spent(
+    gateway: ServerThread, fake_engine: FakeEngine, redis_url: str
+) -> None:
+    key = make_tenant(redis_url, "acme", vector_count=1)
+    assert make(gateway, key, "a", {"positive": OCEAN, "negative": CITY}).status_code == 201
+    sent = len(fake_engine.state.requests)
+    r = make(gateway, key, "b", {"positive": OCEAN, "negative": CITY})
+    assert r.status_code == 429 and r.json()["error"]["code"] == "vector_quota_exceeded"
+    assert len(fake_engine.state.requests) == sent  # refused before the engine was asked
+    # Replacing the one it has is within quota.
+    assert make(gateway, key, "a", {"positive": CITY, "negative": OCEAN}).status_code == 200
+
+
+HOSTILE: list[tuple[dict[str, Any], str, str]] = [
+    ({"positive": [], "negative": CITY}, "positive", "invalid_request"),
+    ({"positive": OCEAN, "negative": []}, "negative", "invalid_request"),
+    ({"positive": ["x"] * 10_000, "negative": CITY}, "positive", "examples_too_large"),
+    ({"positive": OCEAN, "negative": CITY, "layers": [0, LAYERS]}, "layers[1]", "invalid_request"),
+    ({"positive": OCEAN, "negative": CITY, "layers": [-1]}, "layers[0]", "invalid_request"),
+    ({"positive": OCEAN, "negative": CITY, "layers": [1, 1]}, "layers[1]", "invalid_request"),
+    ({"positive": OCEAN, "negative": CITY, "layers": []}, "layers", "invalid_request"),
+    ({"positive": OCEAN, "negative": CITY, "method": "median"}, "method", "invalid_request"),
+    ({"positive": OCEAN, "negative": CITY, "position": "first"}, "position", "invalid_request"),
+    ({"positive": OCEAN, "negative": CITY, "hook": "pre_mlp"}, "hook", "invalid_request"),
+    ({"positive": OCEAN, "negative": CITY, "normalize": "yes"}, "normalize", "invalid_request"),
+    ({"positive": OCEAN, "negative": CITY, "scale": 2}, "scale", "invalid_request"),
+    ({"positive": ["a", ""], "negative": CITY}, "positive[1]", "invalid_request"),
+    ({"positive": ["a", 7], "negative": CITY}, "positive[1]", "invalid_request"),
+    (
+        {"positive": OCEAN, "negative": ["b", [{"role": "bot", "content": "x"}]]},
+        "negative[1][0].role",
+        "invalid_request",
+    ),
+    (
+        {"positive": OCEAN, "negative": ["b", [{"role": "user", "content": "x", "name": "n"}]]},
+        "negative[1][0].name",
+        "invalid_request",
+    ),
+    ({"positive": OCEAN, "negative": ["z" * 8001, "b"]}, "negative[0]", "examples_too_large"),
+    ({"positive": ["z" * 8000] * 51, "negative": CITY}, "positive", "examples_too_large"),
+    ({"positive": OCEAN, "negative": CITY[:3], "method": "pca"}, "negative", "invalid_request"),
+    ({"positive": OCEAN[:1], "negative": CITY}, "positive", "invalid_request"),
+    ({"positive": "ocean", "negative": CITY}, "positive", "invalid_request"),
+]
+
+
+@pytest.mark.parametrize(("body", "param", "code"), HOSTILE)
+def test_hostile_bodies_get_400_naming_the_field_before_any_work(
+    gateway: ServerThread,
+    fake_engine: FakeEngine,
+    redis_url: str,
+    body: dict[str, Any],
+    param: str,
+    code: str,
+) -> None:
+    key = make_tenant(redis_url, "acme")
+    r = make(gateway, key, "v", body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["code"]) == (param, code)
+    assert not [b for b in fake_engine.state.requests if b.get("capture")]  # no engine work
+    assert get(gateway, key, "/v1/steering/vectors").json()["data"] == []
+
+
+def test_bad_name_and_bad_json_get_400(gateway: ServerThread, redis_url: str) -> None:
+    key = make_tenant(redis_url, "acme")
+    r = make(gateway, key, "bad name!", {"positive": OCEAN, "negative": CITY})
+    assert r.status_code in (400, 404)
+    r = httpx.post(
+        f"{gateway.url}/v1/steering/vectors/v/from-examples",
+        content=b"[1, 2",
+        headers={"Authorization": f"Bearer {key}"},
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
