@@ -160,3 +160,51 @@ def test_the_compile_cache_factor_changes_with_the_clamp_cap(monkeypatch) -> Non
     zero = compile_tag.steergate_factor()
     compile_tag.steergate_factor.cache_clear()
     assert four != zero
+
+
+class _ScaledLayer(torch.nn.Module):
+    """Granite's convention in miniature: one stream tensor, the norm after attention
+    reads the stream (identity here) and the MLP's residual is that same tensor."""
+
+    residual_multiplier = 1.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.self_attn = torch.nn.Identity()
+        self.post_attention_layernorm = torch.nn.Identity()
+
+    def forward(self, positions, hidden_states):
+        residual = hidden_states + self.self_attn(hidden_states) * self.residual_multiplier
+        return residual + self.post_attention_layernorm(residual)
+
+
+class _ScaledModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_ScaledLayer(), _ScaledLayer()])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(None, x)
+        return x
+
+
+def test_scaled_residual_convention_clamps_the_stream_in_place() -> None:
+    """Stream s -> after attention 2s -> out 4s per layer; a post_attn 0 clamp (max 1)
+    on component 0 (2 there) leaves 1 -> 2 -> 8; post_block 1 (16 -> min 20) -> 20."""
+    from steergate.engine.worker.conventions import SCALED_RESIDUAL
+
+    def run(clamps) -> torch.Tensor:
+        model = _ScaledModel()
+        layers, present = find_decoder_layers(model)
+        t = _tables(layers=present)
+        wrap_layers(layers, present, t, SCALED_RESIDUAL)
+        t.add_request("a", _payload(None, clamps))
+        t.fill([StepRequest("a", 0, 1, 0, 1)], 1)
+        x = torch.zeros(1, H)
+        x[0, 0], x[0, 1] = 1.0, 1.0
+        return model(x)[0]
+
+    assert run([]).tolist()[:2] == [16.0, 16.0]
+    assert run([Resolved(("post_attn", 0), _e(0), Bounds(None, 1.0))]).tolist()[:2] == [8.0, 16.0]
+    assert run([Resolved(("post_block", 1), _e(0), Bounds(20.0, None))])[0] == 20.0
