@@ -7,9 +7,12 @@ unsteered and steered runs so that machine noise hits both alike; prints medians
 
 Steered: every request has its own configuration (distinct vectors) on every
 layer, at ``post_block`` (``--hooks post_block``) or at all three hooks
-(``--hooks all``), so every step gathers from ``batch`` different slots.
+(``--hooks all``), so every step gathers from ``batch`` different slots. With
+``--clamps K`` every steered request also clamps K directions (one ablation, the
+rest two-sided clamps) at every layer's ``post_block`` (issue 20).
 
     VLLM_CPU_KVCACHE_SPACE=2 .venv/bin/python bench/steering_overhead.py --repeats 5
+    VLLM_CPU_KVCACHE_SPACE=2 .venv/bin/python bench/steering_overhead.py --clamps 4
 """
 
 from __future__ import annotations
@@ -25,17 +28,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _payloads(n: int, hidden: int, layers: int, hooks: list[str]) -> list[str]:
+def _payloads(n: int, hidden: int, layers: int, hooks: list[str], clamps: int = 0) -> list[str]:
     import numpy as np
 
     from steergate.engine.payload import encode_payload
+    from steergate.shared.clamp import Bounds, Resolved, unit
 
     rng = np.random.default_rng(0)
     out = []
     for _ in range(n):
         sites = {(h, layer): (rng.normal(size=hidden) * 0.05).astype(np.float32)
                  for h in hooks for layer in range(layers)}
-        out.append(encode_payload("all", sites)[0])
+        cl = tuple(
+            Resolved(("post_block", layer), unit(rng.normal(size=hidden), "bench"),
+                     Bounds(0.0, 0.0) if k == 0 else Bounds(-0.5, 0.5, 0.5))
+            for layer in range(layers) for k in range(clamps)
+        )
+        out.append(encode_payload("all", sites, cl)[0])
     return out
 
 
@@ -65,6 +74,33 @@ def _micro(hidden: int, sites: int, tokens: int, iters: int = 2000) -> None:
           f"active {active:.0f} us/forward")
 
 
+def _micro_clamp(hidden: int, points: int, tokens: int, k: int, iters: int = 500) -> None:
+    """The clamp op alone per forward (``points`` points, K entries each, every token its
+    own slot): idle (the CPU early exit) and active."""
+    import torch
+
+    from steergate.engine.worker import clamp, op
+
+    tables = [clamp.ClampTable(tokens + 1, k, hidden, torch.device("cpu")) for _ in range(points)]
+    index = torch.arange(1, tokens + 1)
+    hidden_states = torch.zeros(tokens, hidden, dtype=torch.bfloat16)
+    residual = torch.zeros(tokens, hidden, dtype=torch.bfloat16)
+
+    def per_forward() -> float:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            for t in tables:
+                torch.ops.steergate.clamp(hidden_states, residual, t.dirs, t.bounds, index)
+        return (time.perf_counter() - t0) / iters * 1e6
+
+    idle = min(per_forward() for _ in range(3))
+    for t in tables:
+        op.mark_live(t.dirs, True)
+    active = min(per_forward() for _ in range(3))
+    print(f"clamp op alone, {points} points x K={k} x {tokens} tokens x {hidden}: "
+          f"idle {idle:.0f} us/forward, active {active:.0f} us/forward")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=16)
@@ -76,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--model", help="use this model folder instead of generating one")
+    ap.add_argument("--clamps", type=int, default=0,
+                    help="clamp directions per steered request at every post_block (<= 4)")
     args = ap.parse_args(argv)
 
     os.environ["VLLM_PLUGINS"] = "steergate"
@@ -100,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     parallel = llm.llm_engine.vllm_config.parallel_config
     hidden, layers = cfg.get_hidden_size(), cfg.get_num_layers(parallel)
     hooks = ["pre_attn", "post_attn", "post_block"] if args.hooks == "all" else ["post_block"]
-    payloads = _payloads(args.batch, hidden, layers, hooks)
+    payloads = _payloads(args.batch, hidden, layers, hooks, args.clamps)
     prompts = [
         TokensPrompt(prompt_token_ids=[10 + (i * 7 + j) % 500 for j in range(args.prompt_tokens)])
         for i in range(args.batch)
@@ -123,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     # Sanity: steering really reaches the model (otherwise the numbers mean nothing).
     a = llm.generate(prompts[:1], plain[:1], use_tqdm=False)[0].outputs[0].token_ids
     strong = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True,
-                            extra_args={"steergate": _payloads(1, hidden, layers, hooks)[0]})
+                            extra_args={"steergate": _payloads(1, hidden, layers, hooks,
+                                                               args.clamps)[0]})
     b = llm.generate(prompts[:1], [strong], use_tqdm=False)[0].outputs[0].token_ids
     print(f"steering changes the output: {list(a) != list(b)}")
 
@@ -138,12 +177,14 @@ def main(argv: list[str] | None = None) -> int:
     bp, bs = max(tp_plain), max(tp_steered)
     print(f"model: hidden {hidden}, {layers} layers, dtype {cfg.dtype}; batch {args.batch}, "
           f"prompt {args.prompt_tokens} tokens, {args.max_tokens} new tokens, hooks {args.hooks} "
-          f"({len(hooks) * layers} sites per request, {args.batch} distinct configs)")
+          f"({len(hooks) * layers} sites per request, {args.clamps} clamps per post_block, "
+          f"{args.batch} distinct configs)")
     print("unsteered tok/s: " + ", ".join(f"{x:.1f}" for x in tp_plain))
     print("steered   tok/s: " + ", ".join(f"{x:.1f}" for x in tp_steered))
     print(f"median unsteered {mp:.1f} tok/s, steered {ms:.1f} tok/s, ratio {ms / mp:.3f}")
     print(f"best   unsteered {bp:.1f} tok/s, steered {bs:.1f} tok/s, ratio {bs / bp:.3f}")
     _micro(hidden, len(hooks) * layers, args.batch)
+    _micro_clamp(hidden, 2 * layers + 1, args.batch, max(args.clamps, 1))
     # Offline vLLM sometimes hangs at interpreter exit with its engine-core process
     # still up; shut it down explicitly, then leave without running atexit hooks.
     llm.llm_engine.engine_core.shutdown()

@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from steergate.shared.clamp import ClampItem
 from steergate.shared.engine_api import LatchState
 from steergate.shared.latch_spec import LatchSpec, latch_digest
 
@@ -50,28 +51,40 @@ class Latch:
     phase: str
     value_sites: Mapping[Site, np.ndarray] = field(default_factory=dict)
     refs: tuple[RefTerm, ...] = ()
+    clamps: tuple[ClampItem, ...] = ()  # in request order, by value or by reference
 
     @property
     def nbytes(self) -> int:
         # float32 vectors of hidden_size each: 4 x hidden x number of sites.
-        return int(sum(int(v.nbytes) for v in self.value_sites.values()))
+        return int(sum(int(v.nbytes) for v in self.value_sites.values())) + sum(
+            c.nbytes for c in self.clamps
+        )
 
     @property
     def kind(self) -> Literal["value", "ref"]:
-        return "value" if self.value_sites else "ref"
+        return "value" if self.value_sites or any(c.sites for c in self.clamps) else "ref"
+
+    def named(self) -> list[tuple[str, str]]:
+        """(name, digest) of every by-reference term, adds and clamps: the latch is
+        stale once any of them names other content."""
+        return [(r.name, r.digest) for r in self.refs] + [
+            c.ref for c in self.clamps if c.ref is not None
+        ]
 
     @functools.cached_property
     def digest(self) -> str:
         """The latch's identity, equal to :attr:`LatchSpec.digest` of the same latch
         (how the gateway and an engine agree on which latch a conversation holds)."""
-        return latch_digest(self.phase, self.value_sites, self._ref_tuples())
+        return latch_digest(self.phase, self.value_sites, self._ref_tuples(), self.clamps)
 
     def spec(self) -> LatchSpec:
-        return LatchSpec(self.phase, dict(self.value_sites), self._ref_tuples())
+        return LatchSpec(self.phase, dict(self.value_sites), self._ref_tuples(), self.clamps)
 
     @classmethod
     def from_spec(cls, spec: LatchSpec) -> Latch:
-        return cls(spec.phase, dict(spec.sites), tuple(RefTerm(*r) for r in spec.refs))
+        return cls(
+            spec.phase, dict(spec.sites), tuple(RefTerm(*r) for r in spec.refs), spec.clamps
+        )
 
     def _ref_tuples(self) -> tuple[tuple[str, str, float], ...]:
         return tuple((r.name, r.digest, r.scale) for r in self.refs)
@@ -174,7 +187,7 @@ class LatchController:
         entry = self._entries.get(conversation_id)
         if entry is None:
             return "none", None
-        if any(digest_of(ref.name) != ref.digest for ref in entry.latch.refs):
+        if any(digest_of(name) != digest for name, digest in entry.latch.named()):
             self._remove(conversation_id)
             return "dropped_stale", None
         self._entries.move_to_end(conversation_id)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from steergate.shared.clamp import Resolved, decode_resolved, encode_resolved, update_digest
 from steergate.shared.codecs import b64_to_f32, f32_to_b64
 
 XARGS_KEY = "steergate"
@@ -30,27 +31,37 @@ class Payload:
     phase: str
     sites: dict[Site, np.ndarray]
     digest: str
+    #: Directional clamps in the order they apply (shared/clamp.py).
+    clamps: tuple[Resolved, ...] = ()
 
 
-def steering_digest(phase: str, sites: Mapping[Site, np.ndarray]) -> str:
+def steering_digest(
+    phase: str, sites: Mapping[Site, np.ndarray], clamps: tuple[Resolved, ...] = ()
+) -> str:
     """Identity of an effective steering: equal digests steer identically, so
     workers share a table slot between them and the prefix cache may be shared."""
     h = hashlib.sha256(phase.encode())
     for hook, layer in sorted(sites):
         h.update(f"|{hook}:{layer}|".encode())
         h.update(np.asarray(sites[(hook, layer)], dtype="<f4").tobytes())
+    if clamps:  # mixed in only when present: a pure add's digest is unchanged
+        update_digest(h, clamps)
     return h.hexdigest()
 
 
-def encode_payload(phase: str, sites: Mapping[Site, np.ndarray]) -> tuple[str, str]:
+def encode_payload(
+    phase: str, sites: Mapping[Site, np.ndarray], clamps: tuple[Resolved, ...] = ()
+) -> tuple[str, str]:
     """(JSON string for ``vllm_xargs``, digest)."""
-    digest = steering_digest(phase, sites)
+    digest = steering_digest(phase, sites, clamps)
     doc = {
         "v": VERSION,
         "digest": digest,
         "phase": phase,
         "sites": [[hook, layer, f32_to_b64(sites[(hook, layer)])] for hook, layer in sorted(sites)],
     }
+    if clamps:
+        doc["clamps"] = encode_resolved(clamps)
     return json.dumps(doc, separators=(",", ":")), digest
 
 
@@ -59,4 +70,5 @@ def decode_payload(text: str) -> Payload:
     if doc.get("v") != VERSION:
         raise ValueError(f"unsupported steering payload version {doc.get('v')!r}")
     sites = {(str(h), int(layer)): b64_to_f32(data) for h, layer, data in doc["sites"]}
-    return Payload(phase=str(doc["phase"]), sites=sites, digest=str(doc["digest"]))
+    clamps = decode_resolved(doc.get("clamps", ()))
+    return Payload(phase=str(doc["phase"]), sites=sites, digest=str(doc["digest"]), clamps=clamps)

@@ -16,9 +16,17 @@ import numpy as np
 
 from steergate.engine.latch import Latch, LatchController, RefTerm, Site
 from steergate.engine.registry import VectorRegistry
+from steergate.shared.clamp import (
+    DEFAULT_MAX_CLAMPS_PER_SITE,
+    ClampItem,
+    Resolved,
+    check_per_point,
+    unit,
+    value_resolved,
+)
 from steergate.shared.engine_api import LatchState
 from steergate.shared.errors import APIError, InvalidField
-from steergate.shared.latch_spec import LatchSpec, accumulate, sum_inline
+from steergate.shared.latch_spec import LatchSpec, accumulate, clamp_items, sum_inline
 from steergate.shared.steering import InlineTerm, NamedTerm, SteeringRequest, check_sites_finite
 
 
@@ -30,10 +38,11 @@ class Resolution:
     state: LatchState
     phase: str = "all"
     sites: dict[Site, np.ndarray] = field(default_factory=dict)
+    clamps: tuple[Resolved, ...] = ()  # in the order they apply (shared/clamp.py)
 
     @property
     def applied(self) -> bool:
-        return bool(self.sites)
+        return bool(self.sites or self.clamps)
 
 
 @dataclass(frozen=True)
@@ -59,6 +68,7 @@ def resolve_turn(
     registry: VectorRegistry,
     controller: LatchController,
     expect: Expect | None = None,
+    max_clamps: int = DEFAULT_MAX_CLAMPS_PER_SITE,
 ) -> Resolution:
     """Raises :class:`InvalidField` (or a 409 cache miss) before any latch changes, so
     a rejected request never stores, replaces or drops a latch."""
@@ -66,7 +76,7 @@ def resolve_turn(
         if conversation_id is None:
             return Resolution("none")
         if expect is not None and expect.restore is not None:
-            return _restore(expect.restore, conversation_id, registry, controller)
+            return _restore(expect.restore, conversation_id, registry, controller, max_clamps)
         if expect is not None and expect.latch == "":
             # The system of record holds no latch (never stored, evicted by the tenant's
             # quota, deleted): a copy cached here must not steer this turn.
@@ -76,11 +86,15 @@ def resolve_turn(
             held = controller.get(conversation_id)
             if held is None or held.digest != expect.latch:
                 raise cache_miss("latch_missing", "conversation's latch")
-            _require_vectors((r.name for r in held.refs), registry)
+            _require_vectors((name for name, _ in held.named()), registry)
         used, latch = controller.use(conversation_id, registry.digest_of)
         if latch is None:
             return Resolution(used)
-        return Resolution(used, latch.phase, combine(latch.value_sites, latch.refs, registry))
+        clamps = resolve_clamps(latch.clamps, registry)
+        check_per_point(clamps, max_clamps)
+        return Resolution(
+            used, latch.phase, combine(latch.value_sites, latch.refs, registry), clamps
+        )
 
     if steering.latch and conversation_id is None:
         raise InvalidField(
@@ -92,10 +106,31 @@ def resolve_turn(
     refs = _refs(steering, registry, expect)
     sites = combine(value_sites, refs, registry)
     check_sites_finite(sites)  # each term finite, their sum or a named term's may not be
+    items = clamp_items(steering.terms, lambda t: _ref_digest(t, registry, expect))
+    clamps = resolve_clamps(items, registry)
+    check_per_point(clamps, max_clamps)
     state: LatchState = "none"
     if steering.latch and conversation_id is not None:
-        state = controller.store(conversation_id, Latch(steering.phase, value_sites, refs))
-    return Resolution(state, steering.phase, sites)
+        state = controller.store(conversation_id, Latch(steering.phase, value_sites, refs, items))
+    return Resolution(state, steering.phase, sites, clamps)
+
+
+def resolve_clamps(items: Iterable[ClampItem], registry: VectorRegistry) -> tuple[Resolved, ...]:
+    """Clamp terms -> one clamp per site, in order: a named vector's layers ascending,
+    each direction normalised from the vector's current content (callers checked its
+    digest)."""
+    out: list[Resolved] = []
+    for item in items:
+        if item.ref is None:
+            out.extend(value_resolved(item))
+            continue
+        vector = registry.get(item.ref[0])
+        if vector is None:  # pragma: no cover - excluded by the callers' digest check
+            raise KeyError(item.ref[0])
+        for layer in sorted(vector.layers):
+            direction = unit(vector.layers[layer], "steering.vectors")
+            out.append(Resolved((vector.hook, int(layer)), direction, item.bounds))
+    return tuple(out)
 
 
 def combine(
@@ -119,20 +154,27 @@ def combine(
 
 
 def _restore(
-    spec: LatchSpec, conversation_id: str, registry: VectorRegistry, controller: LatchController
+    spec: LatchSpec,
+    conversation_id: str,
+    registry: VectorRegistry,
+    controller: LatchController,
+    max_clamps: int = DEFAULT_MAX_CLAMPS_PER_SITE,
 ) -> Resolution:
     """Install the gateway's copy of the conversation's latch, then bridge with it.
     A by-reference term whose vector now has other content makes it stale, exactly as
     :meth:`LatchController.use` would have found."""
     latch = Latch.from_spec(spec)
-    _require_vectors((r.name for r in latch.refs), registry)
-    if any(registry.digest_of(r.name) != r.digest for r in latch.refs):
+    _require_vectors((name for name, _ in latch.named()), registry)
+    if any(registry.digest_of(name) != digest for name, digest in latch.named()):
         controller.delete(conversation_id)
         return Resolution("dropped_stale")
     # Stored under the engine's own caps (it may evict other cached latches, never
     # lose them: Redis keeps them). One too large to keep still steers this turn.
+    clamps = resolve_clamps(latch.clamps, registry)
+    check_per_point(clamps, max_clamps)
     controller.store(conversation_id, latch)
-    return Resolution("restored", latch.phase, combine(latch.value_sites, latch.refs, registry))
+    sites = combine(latch.value_sites, latch.refs, registry)
+    return Resolution("restored", latch.phase, sites, clamps)
 
 
 def _require_vectors(names: Iterable[str], registry: VectorRegistry) -> None:
@@ -145,14 +187,22 @@ def _refs(
 ) -> tuple[RefTerm, ...]:
     refs = []
     for term in steering.terms:
-        if not isinstance(term, NamedTerm):
+        if not isinstance(term, NamedTerm) or term.clamp is not None:
             continue
-        digest = registry.digest_of(term.name)
-        if expect is not None and term.name in expect.vectors:
-            if digest != expect.vectors[term.name]:
-                raise cache_miss("vector_missing", "named vectors of this turn")
-        if digest is None:
-            param = f"steering.vectors[{term.index}].name"
-            raise InvalidField(param, f"'{param}': no vector with this name", code="unknown_vector")
-        refs.append(RefTerm(term.name, digest, term.scale))
+        refs.append(RefTerm(term.name, _ref_digest(term, registry, expect)[1], term.scale))
     return tuple(refs)
+
+
+def _ref_digest(
+    term: NamedTerm, registry: VectorRegistry, expect: Expect | None
+) -> tuple[str, str]:
+    """(name, current digest) of a named term; a 409 if the gateway expects other
+    content, a 400 if this engine has no such vector."""
+    digest = registry.digest_of(term.name)
+    if expect is not None and term.name in expect.vectors:
+        if digest != expect.vectors[term.name]:
+            raise cache_miss("vector_missing", "named vectors of this turn")
+    if digest is None:
+        param = f"steering.vectors[{term.index}].name"
+        raise InvalidField(param, f"'{param}': no vector with this name", code="unknown_vector")
+    return term.name, digest

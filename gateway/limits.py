@@ -133,6 +133,10 @@ def estimate_tokens(body: dict[str, Any]) -> int:
         budget = DEFAULT_COMPLETION_RESERVE
     n = body.get("n", 1)
     n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+    steering = body.get("steering")
+    if isinstance(steering, dict) and steering.get("compare") is True:
+        # steering.compare: the engine runs the request twice (engine/http/compare.py)
+        return 2 * (math.ceil(chars / CHARS_PER_TOKEN) + budget * n)
     return math.ceil(chars / CHARS_PER_TOKEN) + budget * n
 
 

@@ -69,6 +69,27 @@ _TERM = {
         "layers": _LAYERS,
         "packed": _PACKED,
         "scale": {"type": "number"},
+        "op": {"enum": ["add", "clamp", "ablate"]},
+        "min": {"type": "number"},
+        "max": {"type": "number"},
+        "value": {"type": "number"},
+        "strength": {"type": "number", "minimum": 0, "maximum": 1},
+    },
+}
+_COUNT = {"type": "integer", "minimum": 0}
+_TOKENS = {
+    "type": "object",
+    "description": "Token positions to steer; `phase` is its shorthand (not both).",
+    "properties": {
+        "prompt": {"oneOf": [
+            {"enum": ["all", "none"]},
+            {"type": "object", "properties": {"last": _COUNT}, "required": ["last"]},
+        ]},
+        "generated": {"oneOf": [
+            {"enum": ["all", "none"]},
+            {"type": "object", "properties": {"first": _COUNT}, "required": ["first"]},
+            {"type": "object", "properties": {"from": _COUNT}, "required": ["from"]},
+        ]},
     },
 }
 _STEERING = {
@@ -76,7 +97,9 @@ _STEERING = {
     "properties": {
         "vectors": {"type": "array", "items": _TERM, "maxItems": 256},
         "phase": {"enum": ["all", "prefill", "decode"]},
+        "tokens": _TOKENS,
         "latch": {"type": "boolean"},
+        "compare": {"type": "boolean", "description": "choice 0..n-1 steered, n..2n-1 not"},
     },
 }
 _INFERENCE_COMMON: dict[str, Any] = {

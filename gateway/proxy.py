@@ -131,10 +131,14 @@ class Turn:
             spec = await self._load_spec()
             if spec is not None:
                 try:
-                    refs = decode_spec(spec).refs
+                    decoded = decode_spec(spec)
+                    # By-reference adds and clamps alike name vectors the engine needs.
+                    scoped_names = [r[0] for r in decoded.refs] + [
+                        c.ref[0] for c in decoded.clamps if c.ref is not None
+                    ]
                 except SpecError:
-                    refs = ()
-                for scoped, _, _ in refs:
+                    scoped_names = []
+                for scoped in scoped_names:
                     local = unscope(self.tenant_id, scoped)
                     if local is not None:
                         names[local] = None

@@ -30,7 +30,7 @@ from steergate.gateway.limits import estimate_tokens
 from steergate.gateway.records import Tenant
 from steergate.shared.capture import CaptureSpec, parse_capture
 from steergate.shared.errors import InvalidField
-from steergate.shared.latch_spec import LatchSpec, sum_inline
+from steergate.shared.latch_spec import LatchSpec, clamp_items, sum_inline
 from steergate.shared.scoping import check_conversation_id, check_vector_name, scope
 from steergate.shared.settings import GatewaySettings
 from steergate.shared.steering import (
@@ -250,9 +250,12 @@ def latch_spec(
     refs = tuple(
         (scope(tenant_id, t.name), vector_digests.get(t.name, ""), t.scale)
         for t in steering.terms
-        if isinstance(t, NamedTerm)
+        if isinstance(t, NamedTerm) and t.clamp is None
     )
-    return LatchSpec(steering.phase, sites, refs)
+    clamps = clamp_items(
+        steering.terms, lambda t: (scope(tenant_id, t.name), vector_digests.get(t.name, ""))
+    )
+    return LatchSpec(steering.phase, sites, refs, clamps)
 
 
 def combined_salt(tenant: Tenant, client_salt: str | None) -> str:

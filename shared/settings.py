@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from steergate.shared.clamp import DEFAULT_MAX_CLAMPS_PER_SITE
 from steergate.shared.engine_api import DEFAULT_MAX_LATCHED_BYTES, DEFAULT_MAX_LATCHED_CONVERSATIONS
 
 
@@ -28,6 +29,13 @@ class EngineSettings(BaseSettings):
     )
     max_latched_bytes: int = Field(
         default=DEFAULT_MAX_LATCHED_BYTES, ge=0, description="Latch controller byte cap."
+    )
+    max_clamps_per_site: int = Field(
+        default=DEFAULT_MAX_CLAMPS_PER_SITE,
+        ge=0,
+        le=64,
+        description="Clamp/ablate directions per point of the residual stream (each costs "
+        "a [slots, hidden] float32 table per point); more in one request: 400.",
     )
     steering: Literal["on", "off"] = Field(
         default="on",

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from steergate.shared.clamp import OPS, Bounds, parse_bounds, unit
 from steergate.shared.codecs import (
     DTYPES,
     CodecError,
@@ -26,6 +27,7 @@ from steergate.shared.codecs import (
     decode_packed_bytes,
 )
 from steergate.shared.errors import InvalidField
+from steergate.shared.positions import parse_tokens
 
 HOOKS: tuple[str, ...] = ("pre_attn", "post_attn", "post_block")
 PHASES: tuple[str, ...] = ("all", "prefill", "decode")
@@ -53,6 +55,7 @@ class NamedTerm:
     name: str
     scale: float = 1.0
     index: int = 0  # position in ``vectors``, for error messages
+    clamp: Bounds | None = None  # op clamp/ablate (shared/clamp.py); None: an add
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,7 @@ class InlineTerm:
     layers: dict[int, np.ndarray] = field(hash=False)
     scale: float = 1.0
     index: int = 0
+    clamp: Bounds | None = None  # op clamp/ablate: ``layers`` hold unit directions
 
 
 Term = NamedTerm | InlineTerm
@@ -78,13 +82,20 @@ class SteeringRequest:
 
     def inline_sites(self) -> set[Site]:
         return {
-            (t.hook, layer) for t in self.terms if isinstance(t, InlineTerm) for layer in t.layers
+            (t.hook, layer)
+            for t in self.terms
+            if isinstance(t, InlineTerm) and t.clamp is None
+            for layer in t.layers
         }
 
     def inline_latch_bytes(self, hidden_size: int) -> int:
         """Bytes a by-value latch of this request holds: one float32 vector per
-        distinct inline (hook, layer) after summing its terms."""
-        return FLOAT32_BYTES * hidden_size * len(self.inline_sites())
+        distinct inline add site after summing its terms, plus one per inline clamp
+        direction (clamps are kept one by one: their order matters)."""
+        clamps = sum(
+            len(t.layers) for t in self.terms if isinstance(t, InlineTerm) and t.clamp is not None
+        )
+        return FLOAT32_BYTES * hidden_size * (len(self.inline_sites()) + clamps)
 
 
 def parse_steering(obj: Any, shape: ModelShape | None, param: str = "steering") -> SteeringRequest:
@@ -92,10 +103,18 @@ def parse_steering(obj: Any, shape: ModelShape | None, param: str = "steering") 
     (lengths and layer ranges are then left to whoever knows the model)."""
     if not isinstance(obj, dict):
         raise InvalidField(param, f"'{param}' must be an object")
-    _reject_unknown(obj, {"vectors", "phase", "latch"}, param)
+    _reject_unknown(obj, {"vectors", "phase", "latch", "tokens", "compare"}, param)
+    if not isinstance(obj.get("compare", False), bool):
+        raise InvalidField(f"{param}.compare", f"'{param}.compare' must be a boolean")
     phase = obj.get("phase", "all")
     if phase not in PHASES:
         raise InvalidField(f"{param}.phase", f"'{param}.phase' must be one of {', '.join(PHASES)}")
+    if "tokens" in obj:  # shared/positions.py: phase is its shorthand
+        if "phase" in obj:
+            raise InvalidField(
+                f"{param}.tokens", f"'{param}.tokens' and '{param}.phase' exclude each other"
+            )
+        phase = parse_tokens(obj["tokens"], f"{param}.tokens")
     latch = obj.get("latch", False)
     if not isinstance(latch, bool):
         raise InvalidField(f"{param}.latch", f"'{param}.latch' must be a boolean")
@@ -116,18 +135,47 @@ def parse_steering(obj: Any, shape: ModelShape | None, param: str = "steering") 
 def parse_term(obj: Any, shape: ModelShape | None, param: str, index: int = 0) -> Term:
     if not isinstance(obj, dict):
         raise InvalidField(param, f"'{param}' must be an object")
+    op = obj.get("op", "add")
+    if op not in OPS:
+        raise InvalidField(f"{param}.op", f"'{param}.op' must be one of {', '.join(OPS)}")
+    if op != "add":
+        return _parse_clamp_term(obj, op, shape, param, index)
     scale = _parse_scale(obj.get("scale", 1.0), f"{param}.scale")
     if "name" in obj:
-        _reject_unknown(obj, {"name", "scale"}, param)
+        _reject_unknown(obj, {"name", "scale", "op"}, param)
         name = obj["name"]
         if not isinstance(name, str) or not name:
             raise InvalidField(f"{param}.name", f"'{param}.name' must be a non-empty string")
         return NamedTerm(name=name, scale=scale, index=index)
-    _reject_unknown(obj, {"hook", "layers", "packed", "scale"}, param)
+    _reject_unknown(obj, {"hook", "layers", "packed", "scale", "op"}, param)
     hook = parse_hook(obj.get("hook"), f"{param}.hook")
     layers = parse_layers_or_packed(obj, shape, param)
     _check_scaled(layers, scale, f"{param}.scale")
     return InlineTerm(hook=hook, layers=layers, scale=scale, index=index)
+
+
+_CLAMP_KEYS = {"op", "min", "max", "value", "strength"}
+
+
+def _parse_clamp_term(
+    obj: dict[str, Any], op: str, shape: ModelShape | None, param: str, index: int
+) -> Term:
+    """A clamp or ablate term (shared/clamp.py). No ``scale``: only the direction
+    of the vector matters. Inline directions are normalised here."""
+    if "name" in obj:
+        _reject_unknown(obj, {"name"} | _CLAMP_KEYS, param)
+        bounds = parse_bounds(obj, op, param)
+        name = obj["name"]
+        if not isinstance(name, str) or not name:
+            raise InvalidField(f"{param}.name", f"'{param}.name' must be a non-empty string")
+        return NamedTerm(name=name, index=index, clamp=bounds)
+    _reject_unknown(obj, {"hook", "layers", "packed"} | _CLAMP_KEYS, param)
+    bounds = parse_bounds(obj, op, param)
+    hook = parse_hook(obj.get("hook"), f"{param}.hook")
+    layers = parse_layers_or_packed(obj, shape, param)
+    key = "layers" if "layers" in obj else "packed"
+    units = {layer: unit(vec, f"{param}.{key}.{layer}") for layer, vec in layers.items()}
+    return InlineTerm(hook=hook, layers=units, index=index, clamp=bounds)
 
 
 def parse_vector_body(

@@ -68,8 +68,9 @@ def refuse_inexact(request: Mapping[str, Any], phase: str) -> None:
                 # another across a block boundary (see the module doc).
                 raise InvalidField(
                     field,
-                    f"steering with phase '{phase}' takes one prompt per request; send "
-                    f"the prompts as separate requests, or steer with phase 'all'",
+                    f"steering with {_selection(phase)} takes one prompt per request; "
+                    f"send the prompts as separate requests, or steer every token "
+                    f"(phase 'all')",
                 )
 
 
@@ -92,3 +93,8 @@ def _several(value: Any) -> bool:
         and len(value) > 1
         and not all(isinstance(x, int) and not isinstance(x, bool) for x in value)
     )
+
+
+def _selection(phase: str) -> str:
+    """How the client wrote the selection: a phase, or steering.tokens."""
+    return "steering.tokens" if phase.startswith("tokens:") else f"phase '{phase}'"

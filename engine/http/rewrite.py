@@ -22,6 +22,7 @@ from typing import Any
 
 from steergate.engine import capture_io
 from steergate.engine.http import capture as capture_http
+from steergate.engine.http import compare
 from steergate.engine.http.exact import prompt_key, refuse_inexact
 from steergate.engine.http.runtime import RuntimeRef, SteeringRuntime
 from steergate.engine.payload import XARGS_KEY, encode_payload
@@ -79,11 +80,17 @@ class SteeringRewriteMiddleware:
             await self.app(scope, replay(body, receive), _with_latch(send, Resolution("none")))
             return
         path = _route_path(scope)
+        plain: dict[str, Any] | None = None
         try:
             runtime = self.runtime.get()
+            # steering.compare: the unsteered twin (engine/http/compare.py).
+            if compare.wants_compare(doc):
+                plain = compare.split(doc, path)
             # Validated before the rewrite, which may change a latch.
             call = capture_http.take(doc, path, runtime.shape, runtime.capture)
             resolution = rewrite(doc, runtime)
+            if plain is not None:
+                rewrite(plain, runtime)  # no steering, no conversation: strips xargs only
         except APIError as exc:
             await send_error(send, exc, [(LATCH_HEADER, b"none")])
             return
@@ -91,6 +98,16 @@ class SteeringRewriteMiddleware:
             call.apply(doc)
             send = capture_http.with_capture(send, call, path)
         new_body = json.dumps(doc, separators=(",", ":")).encode()
+        if plain is not None:
+            plain_body = json.dumps(plain, separators=(",", ":")).encode()
+            await compare.serve(
+                self.app,
+                (_with_body_length(scope, new_body), replay(new_body, receive)),
+                (_with_body_length(scope, plain_body), replay(plain_body, receive)),
+                _with_latch(send, resolution),
+                compare.num_choices(doc),
+            )
+            return
         try:
             await self.app(
                 _with_body_length(scope, new_body),
@@ -133,11 +150,12 @@ def rewrite(doc: dict[str, Any], runtime: SteeringRuntime) -> Resolution:
     if steering is not None and steering.terms:  # before a latch is stored
         refuse_inexact(doc, steering.phase)
     resolution = resolve_turn(
-        steering, conversation_id, runtime.registry, runtime.controller, expect
+        steering, conversation_id, runtime.registry, runtime.controller, expect,
+        runtime.max_clamps,
     )
     if resolution.applied:
         refuse_inexact(doc, resolution.phase)  # bridged/restored turns
-        payload, digest = encode_payload(resolution.phase, resolution.sites)
+        payload, digest = encode_payload(resolution.phase, resolution.sites, resolution.clamps)
         doc["vllm_xargs"] = {**(doc.get("vllm_xargs") or {}), XARGS_KEY: payload}
         doc["cache_salt"] = salted(doc.get("cache_salt"), digest, resolution.phase, doc)
     return resolution
@@ -165,8 +183,8 @@ def parse_expect(value: Any, shape: ModelShape) -> Expect | None:
             restore = decode_spec(value["restore"])
         except SpecError as exc:
             raise InvalidField(f"{param}.restore", f"'{param}.restore' {exc}") from exc
-        for hook, layer in restore.sites:
-            vec = restore.sites[(hook, layer)]
+        clamp_sites = [(site, vec) for c in restore.clamps for site, vec in c.sites.items()]
+        for (_hook, layer), vec in [*restore.sites.items(), *clamp_sites]:
             if not 0 <= layer < shape.num_layers or vec.shape != (shape.hidden_size,):
                 raise InvalidField(
                     f"{param}.restore", f"'{param}.restore' does not fit the served model"

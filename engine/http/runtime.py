@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from steergate.engine.http.capture import CaptureSupport
 from steergate.engine.latch import LatchController
 from steergate.engine.registry import VectorRegistry
+from steergate.shared.clamp import DEFAULT_MAX_CLAMPS_PER_SITE
 from steergate.shared.errors import APIError
 from steergate.shared.settings import EngineSettings
 from steergate.shared.steering import HOOKS, ModelShape
@@ -44,6 +45,7 @@ class SteeringRuntime:
     controller: LatchController
     registry: VectorRegistry = field(default_factory=VectorRegistry)
     capture: CaptureSupport = field(default_factory=lambda: CaptureSupport(max_model_len=2048))
+    max_clamps: int = DEFAULT_MAX_CLAMPS_PER_SITE  # clamp directions per point of the stream
     served: ServedArchitecture = field(default_factory=ServedArchitecture)
 
     @property
@@ -62,7 +64,8 @@ class SteeringRuntime:
             epoch or uuid.uuid4().hex,  # changes on every start: clients can tell latches were lost
         )
         runtime = cls(model=model, shape=shape, controller=controller,
-                      served=served or ServedArchitecture())
+                      served=served or ServedArchitecture(),
+                      max_clamps=settings.max_clamps_per_site)
         if capture is not None:
             runtime.capture = capture
         return runtime

@@ -21,7 +21,12 @@ _PATCHED = "_steergate_patched"
 
 @functools.cache
 def steergate_factor() -> str:
+    from steergate.shared.settings import EngineSettings
+
     h = hashlib.sha256(b"steergate::steer/v1")
+    # The clamp cap decides whether the wrappers call the clamp op at all (0: never)
+    # and the shapes of its tables, so graphs compiled under another cap must not load.
+    h.update(f"|clamps:{EngineSettings().max_clamps_per_site}|".encode())
     for path in sorted(Path(__file__).parent.glob("*.py")):
         h.update(path.name.encode())
         h.update(path.read_bytes())

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from steergate.engine.worker import capture, op
+from steergate.engine.worker import clamp as clamp_op
 
 HOOKS: tuple[str, ...] = ("pre_attn", "post_attn", "post_block")
 _WRAPPED = "_steergate_wrapped"
@@ -53,6 +54,12 @@ class LayerTables:
     post_attn: torch.Tensor | None
     post_block: torch.Tensor | None
     index: torch.Tensor
+    # Directional clamps at the same points (engine/worker/clamp.py), applied right
+    # after the point's add; None where no clamp tables exist (cap 0) or the point is
+    # served by the previous layer's post_block.
+    pre_attn_clamp: clamp_op.ClampTable | None = None
+    post_attn_clamp: clamp_op.ClampTable | None = None
+    post_block_clamp: clamp_op.ClampTable | None = None
 
 
 class Convention:
@@ -124,13 +131,25 @@ def _output_steered(forward: Callable[..., Any], table: torch.Tensor, index: tor
     return steered
 
 
+def _pair_clamped(forward: Callable[..., Any], clamps: clamp_op.ClampTable,
+                  index: torch.Tensor) -> Callable[..., Any]:
+    """Clamps on a fused add-norm's ``(x, residual)`` before it sums them: the stream
+    there is ``x + residual``, and ``x`` already holds the point's add."""
+    def clamped(x: torch.Tensor, residual: torch.Tensor | None = None, *args: Any,
+                **kwargs: Any) -> Any:
+        clamp_op.apply(x, residual, clamps, index)
+        return forward(x, residual, *args, **kwargs)
+    return clamped
+
+
 def _input_steered(forward: Callable[..., Any], table: torch.Tensor | None,
                    index: torch.Tensor, convention: str, where: str,
-                   layer: int) -> Callable[..., Any]:
+                   layer: int, clamps: clamp_op.ClampTable | None = None) -> Callable[..., Any]:
     """The op on ``forward``'s first argument, in place, before it runs; that argument
     is the stream at ``post_attn`` of ``layer``, which capture then reads."""
     def steered(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         _steer(hidden_states, table, index, convention, where)
+        clamp_op.apply(hidden_states, None, clamps, index)
         capture.read(hidden_states, None, "post_attn", layer)
         return forward(hidden_states, *args, **kwargs)
 
@@ -150,6 +169,9 @@ class FusedResidual(Convention):
     signature = ("positions", "hidden_states", "residual")
     #: The submodule whose output joins the stream at attention's residual add.
     post_attn_module = "self_attn"
+    #: The fused add-norm that receives (attention's contribution, residual): where the
+    #: stream after attention is first whole, so where post_attn clamps apply.
+    post_attn_clamp_module = "post_attention_layernorm"
 
     def __init__(self) -> None:
         self.submodules = tuple(dict.fromkeys(("self_attn", self.post_attn_module)))
@@ -163,6 +185,7 @@ class FusedResidual(Convention):
             _steer(hidden_states, tables.pre_attn, index, name, "pre_attn's hidden_states")
             # The stream is hidden + residual (hidden alone in front of layer 0).
             residual = args[0] if args else kwargs.get("residual")
+            clamp_op.apply(hidden_states, residual, tables.pre_attn_clamp, index)
             capture.read(hidden_states, residual, "pre_attn", layer_i)
             out = forward(positions, hidden_states, *args, **kwargs)
             if not (isinstance(out, tuple) and len(out) == 2):
@@ -173,6 +196,7 @@ class FusedResidual(Convention):
             # The residual returned is the stream after attention's (fused) residual add.
             capture.read(out[1], None, "post_attn", layer_i)
             _steer(out[0], tables.post_block, index, name, "the layer's hidden_states")
+            clamp_op.apply(out[0], out[1], tables.post_block_clamp, index)
             capture.read(out[0], out[1], "post_block", layer_i)
             return out
 
@@ -181,6 +205,15 @@ class FusedResidual(Convention):
             sub = getattr(layer, self.post_attn_module)
             sub.forward = _output_steered(sub.forward, tables.post_attn, index, name,
                                           f"{self.post_attn_module}'s output")
+        if tables.post_attn_clamp is not None:
+            norm = getattr(layer, self.post_attn_clamp_module, None)
+            if not isinstance(norm, nn.Module):
+                raise ConventionError(
+                    f"steergate: post_attn clamps need the layer's {self.post_attn_clamp_module}"
+                    f" (the {name} convention); STEERGATE_MAX_CLAMPS_PER_SITE=0 serves the "
+                    "model without clamps"
+                )
+            norm.forward = _pair_clamped(norm.forward, tables.post_attn_clamp, index)
 
 
 class SandwichNorm(FusedResidual):
@@ -193,6 +226,7 @@ class SandwichNorm(FusedResidual):
     summary = ("(hidden, residual) pair; post_attn on post_attention_layernorm's output, "
                "before the fused add-norm")
     post_attn_module = "post_attention_layernorm"
+    post_attn_clamp_module = "pre_feedforward_layernorm"
 
 
 class ScaledResidual(Convention):
@@ -221,16 +255,19 @@ class ScaledResidual(Convention):
         def steered_layer(positions: torch.Tensor, hidden_states: torch.Tensor, *args: Any,
                           **kwargs: Any) -> Any:
             _steer(hidden_states, tables.pre_attn, index, name, "pre_attn's hidden_states")
+            clamp_op.apply(hidden_states, None, tables.pre_attn_clamp, index)
             capture.read(hidden_states, None, "pre_attn", layer_i)
             out = forward(positions, hidden_states, *args, **kwargs)
             _steer(out, tables.post_block, index, name, "the layer's output")
+            clamp_op.apply(out, None, tables.post_block_clamp, index)
             capture.read(out, None, "post_block", layer_i)
             return out
 
         layer.forward = steered_layer
         norm = layer.post_attention_layernorm
         norm.forward = _input_steered(norm.forward, tables.post_attn, index, name,
-                                      "post_attention_layernorm's input", layer_i)
+                                      "post_attention_layernorm's input", layer_i,
+                                      tables.post_attn_clamp)
 
 
 class TransformersPostNorm(Convention):
@@ -255,10 +292,12 @@ class TransformersPostNorm(Convention):
         def steered_layer(*args: Any, **kwargs: Any) -> Any:
             hidden = args[0] if args else kwargs.get("hidden_states")
             _steer(_batch_row(hidden), tables.pre_attn, index, name, "pre_attn's hidden_states")
+            clamp_op.apply(_batch_row(hidden), None, tables.pre_attn_clamp, index)
             capture.read(_batch_row(hidden), None, "pre_attn", layer_i)
             out = forward(*args, **kwargs)
             first = out[0] if isinstance(out, tuple) else out
             _steer(_batch_row(first), tables.post_block, index, name, "the layer's output")
+            clamp_op.apply(_batch_row(first), None, tables.post_block_clamp, index)
             capture.read(_batch_row(first), None, "post_block", layer_i)
             return out
 
@@ -272,6 +311,9 @@ class TransformersPostNorm(Convention):
         mlp_forward = mlp.forward
 
         def captured_mlp(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            # x is the stream after attention's add and also the tensor the layer keeps
+            # as the MLP's residual: a clamp in place reaches both.
+            clamp_op.apply(_batch_row(x), None, tables.post_attn_clamp, index)
             capture.read(_batch_row(x), None, "post_attn", layer_i)
             return mlp_forward(x, *args, **kwargs)
 

@@ -35,11 +35,14 @@ def wrap_layers(layers: nn.ModuleList, present: list[int], tables: SteeringTable
     for i in present:
         # pre_attn i is post_block i-1's table when i-1 is here: the op already ran on
         # this point of the stream at the end of layer i-1, so it is not run twice.
-        pre = None if tables.shares_table_with_previous_layer(i) else tables.tables[("pre_attn", i)]
+        shared = tables.shares_table_with_previous_layer(i)
         convention.wrap(layers[i], LayerTables(
             layer=i,
-            pre_attn=pre,
+            pre_attn=None if shared else tables.tables[("pre_attn", i)],
             post_attn=tables.tables[("post_attn", i)],
             post_block=tables.tables[("post_block", i)],
             index=tables.index,
+            pre_attn_clamp=None if shared else tables.clamps[("pre_attn", i)],
+            post_attn_clamp=tables.clamps[("post_attn", i)],
+            post_block_clamp=tables.clamps[("post_block", i)],
         ))

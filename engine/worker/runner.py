@@ -26,6 +26,7 @@ from steergate.engine.worker import capture as worker_capture
 from steergate.engine.worker import contract, conventions
 from steergate.engine.worker.layers import find_decoder_layers, wrap_layers
 from steergate.engine.worker.tables import SteeringTables, StepRequest
+from steergate.shared.settings import EngineSettings
 
 logger = logging.getLogger("vllm.steergate.worker")  # inherits vLLM's handlers
 
@@ -105,6 +106,7 @@ def attach(runner: Any, required: Sequence[str]) -> SteeringTables | None:
         max_tokens=max_tokens,
         dtype=runner.model_config.dtype,
         device=runner.device,
+        max_clamps=EngineSettings().max_clamps_per_site,
     )
     wrap_layers(layers, present, tables, support.convention)
     runner._steergate = tables

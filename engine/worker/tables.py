@@ -36,6 +36,9 @@ import torch
 
 from steergate.engine.payload import Payload
 from steergate.engine.worker import op
+from steergate.engine.worker.clamp import ClampTable
+from steergate.shared.clamp import DEFAULT_MAX_CLAMPS_PER_SITE
+from steergate.shared.positions import window
 
 HOOKS: tuple[str, ...] = ("pre_attn", "post_attn", "post_block")
 Site = tuple[str, int]
@@ -46,6 +49,7 @@ class _Slot:
     digest: str
     sites: tuple[Site, ...]  # owner sites whose row this slot wrote
     refs: int = 0
+    clamp_sites: tuple[Site, ...] = ()  # owner sites whose clamp entries this slot wrote
 
 
 @dataclass
@@ -67,7 +71,10 @@ class SteeringTables:
     max_tokens: int
     dtype: torch.dtype = torch.float32
     device: torch.device | str = "cpu"
+    #: Clamp entries per point (engine setting); 0: no clamp tables at all.
+    max_clamps: int = DEFAULT_MAX_CLAMPS_PER_SITE
     tables: dict[Site, torch.Tensor] = field(init=False)
+    clamps: dict[Site, ClampTable | None] = field(init=False)
     index: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
@@ -84,6 +91,14 @@ class SteeringTables:
             for site in set(self._owner.values())
         }
         self.tables = {site: owned[owner] for site, owner in self._owner.items()}
+        # Clamp tables follow the same points (a merged point applies the adds of
+        # both names, then the clamps of both in request order: docs/steering-op.md).
+        owned_clamps = {
+            site: ClampTable(self.num_slots, self.max_clamps, self.hidden_size, dev)
+            if self.max_clamps > 0 else None
+            for site in owned
+        }
+        self.clamps = {site: owned_clamps[owner] for site, owner in self._owner.items()}
         self.index = torch.zeros(self.max_tokens, dtype=torch.int64, device=dev)
         # The index is filled on the host; on an accelerator a pinned staging copy
         # is copied over before the forward (non-blocking, like vLLM's own buffers).
@@ -155,7 +170,10 @@ class SteeringTables:
         """Point every token of this step at its request's slot (or row 0), by phase.
 
         A token at position p is a prompt token iff p < num_prompt_tokens; phase
-        ``prefill`` steers prompt tokens, ``decode`` the others, ``all`` both."""
+        ``prefill`` steers prompt tokens, ``decode`` the others, ``all`` both, and a
+        ``steering.tokens`` selection the positions it names (shared/positions.py).
+        Positions come from num_computed_tokens, so chunked prefill, prefix-cache hits
+        and recomputation after preemption select the same positions."""
         steered = [r for r in batch if r.req_id in self._payloads]
         if not steered and self._filled_hi == 0:
             return  # fast path: nothing steered now or in the previous step
@@ -168,15 +186,15 @@ class SteeringTables:
         for r in steered:
             payload = self._payloads[r.req_id]
             slot = self._slot_for(payload, in_batch)
-            lo, up = r.start, r.end
-            n_prompt = min(max(r.num_prompt_tokens - r.first_pos, 0), up - lo)
-            if payload.phase == "prefill":
-                up = lo + n_prompt
-            elif payload.phase == "decode":
-                lo = lo + n_prompt
-            if up > lo:
-                idx[lo:up] = slot
-                hi = max(hi, up)
+            # Position p of this request is token start + (p - first_pos); the
+            # selection is two position intervals (shared/positions.py).
+            shift = r.start - r.first_pos
+            for lo_p, hi_p in window(payload.phase).spans(r.num_prompt_tokens):
+                lo = max(r.start, lo_p + shift)
+                up = r.end if hi_p is None else min(r.end, hi_p + shift)
+                if up > lo:
+                    idx[lo:up] = slot
+                    hi = max(hi, up)
         copy_hi = max(hi, self._filled_hi)
         self._filled_hi = hi
         if self._host is not self.index and copy_hi:
@@ -205,12 +223,22 @@ class SteeringTables:
                 continue
             vec = np.asarray(vec, dtype=np.float32)
             rows[owner] = rows[owner] + vec if owner in rows else vec
-        self._slots[slot] = _Slot(payload.digest, tuple(rows))
+        entries: dict[Site, list[tuple[np.ndarray, tuple[float, float, float]]]] = {}
+        for c in payload.clamps:  # in the order they apply
+            owner = self._owner.get(c.site)
+            if owner is not None:
+                entries.setdefault(owner, []).append((c.direction, c.bounds.floats()))
+        self._slots[slot] = _Slot(payload.digest, tuple(rows), clamp_sites=tuple(entries))
         self._by_digest[payload.digest] = slot
         for owner, vec in rows.items():
             row = torch.as_tensor(np.ascontiguousarray(vec))
             self.tables[owner][slot].copy_(row.to(self.dtype))
             self._use_site(owner, +1)
+        for owner, items in entries.items():
+            table = self.clamps[owner]
+            if table is None:
+                raise RuntimeError("steergate: a clamp reached an engine without clamp tables")
+            table.write(slot, items)
         return slot
 
     def _reclaim(self, in_batch: set[str]) -> None:
@@ -227,6 +255,10 @@ class SteeringTables:
         for site in info.sites:
             self.tables[site][slot].zero_()
             self._use_site(site, -1)
+        for site in info.clamp_sites:
+            table = self.clamps[site]
+            if table is not None:
+                table.clear(slot)
         self._free.append(slot)
 
     def _use_site(self, site: Site, delta: int) -> None:

@@ -23,6 +23,7 @@ the phase mask is simply "position < prompt length".
 from __future__ import annotations
 
 import base64
+import math
 import re
 import threading
 from collections.abc import Mapping, Sequence
@@ -67,6 +68,26 @@ def _model(path: str) -> Any:
         path, dtype=torch.float32, attn_implementation="eager"
     )
     return model.eval()
+
+
+@dataclass(frozen=True)
+class Clamp:
+    """One directional clamp for the reference: ``h += s·(clip(h·v̂, lo, hi) − h·v̂)·v̂``."""
+
+    site: Site
+    direction: np.ndarray  # any non-zero length; normalised here in float64
+    lo: float | None = None
+    hi: float | None = None
+    strength: float = 1.0
+
+    def unit(self) -> torch.Tensor:
+        v = np.asarray(self.direction, dtype=np.float64)
+        return torch.as_tensor((v / np.linalg.norm(v)).astype(np.float32))
+
+
+def _point(site: Site) -> Site:
+    hook, layer = site
+    return ("post_block", layer - 1) if hook == "pre_attn" and layer > 0 else site
 
 
 def _post_attn_hook(model: Any, layer: int, vec: torch.Tensor,
@@ -119,25 +140,110 @@ def reference(
     sites: Mapping[Site, np.ndarray] | None = None,
     phase: str = "all",
     max_tokens: int = 8,
+    clamps: Sequence[Clamp] = (),
+    clamp_first: bool = False,
 ) -> Generation:
+    """``clamp_first``: the wrong order (clamps, then adds), to show the order matters."""
     model = _model(str(model_dir))
-    n_prompt = len(prompt)
+    layers = model.model.layers
     mask_box: list[torch.Tensor] = []
+    if clamps:
+        handles = _point_hooks(layers, sites or {}, clamps, mask_box, clamp_first)
+        return _greedy(model, prompt, phase, max_tokens, mask_box, handles)
 
     def add(t: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
         return t + mask_box[0][None, :, None] * vec
 
     handles = _steering_hooks(model, sites, add)
+    return _greedy(model, prompt, phase, max_tokens, mask_box, handles)
+
+
+def _point_hooks(
+    layers: Any, sites: Mapping[Site, np.ndarray], clamps: Sequence[Clamp],
+    mask_box: list[torch.Tensor], clamp_first: bool = False,
+) -> list[Any]:
+    """Adds and clamps by point of the stream: at each point the adds (of both names
+    where post_block l and pre_attn l+1 meet), then the clamps in the order given."""
+    adds: dict[Site, torch.Tensor] = {}
+    for site, vec in sites.items():
+        p = _point(site)
+        t = torch.as_tensor(np.asarray(vec, dtype=np.float32))
+        adds[p] = adds[p] + t if p in adds else t
+    by_point: dict[Site, list[Clamp]] = {}
+    for c in clamps:
+        by_point.setdefault(_point(c.site), []).append(c)
+
+    def steer(stream: torch.Tensor, p: Site) -> torch.Tensor:
+        """The change at point ``p`` of a [1, T, H] stream, masked by phase."""
+        mask = mask_box[0][None, :, None]
+        h = stream
+        if p in adds and not clamp_first:
+            h = h + mask * adds[p]
+        for c in by_point.get(p, ()):
+            v = c.unit()
+            comp = (h * v).sum(-1, keepdim=True)
+            lo = -math.inf if c.lo is None else c.lo
+            hi = math.inf if c.hi is None else c.hi
+            h = h + mask * c.strength * (comp.clamp(lo, hi) - comp) * v
+        if p in adds and clamp_first:
+            h = h + mask * adds[p]
+        return h - stream
+
+    points = set(adds) | set(by_point)
+    stash: dict[int, torch.Tensor] = {}
+    handles = []
+    for layer_no, layer in enumerate(layers):
+        def pre(mod: Any, args: tuple, kwargs: dict, n: int = layer_no) -> Any:
+            hidden = args[0] if args else kwargs["hidden_states"]
+            if n == 0 and ("pre_attn", 0) in points:
+                hidden = hidden + steer(hidden, ("pre_attn", 0))
+            stash[n] = hidden
+            if args:
+                return (hidden, *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": hidden}
+
+        def attn(mod: Any, args: tuple, out: Any, n: int = layer_no) -> Any:
+            p = ("post_attn", n)
+            if p not in points:
+                return out
+            return (out[0] + steer(stash[n] + out[0], p), *out[1:])
+
+        def block(mod: Any, args: tuple, out: Any, n: int = layer_no) -> Any:
+            p = ("post_block", n)
+            if p not in points:
+                return out
+            if isinstance(out, tuple):
+                return (out[0] + steer(out[0], p), *out[1:])
+            return out + steer(out, p)
+
+        handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(layer.self_attn.register_forward_hook(attn))
+        handles.append(layer.register_forward_hook(block))
+    return handles
+
+
+def position_mask(phase: str, n_prompt: int, length: int) -> torch.Tensor:
+    """1.0 at the positions a phase (or ``steering.tokens`` selection) steers."""
+    from steergate.shared.positions import window
+
+    pos = torch.arange(length)
+    (p_lo, p_hi), (g_lo, g_hi) = window(phase).spans(n_prompt)
+    prompt = (pos >= p_lo) & (pos < p_hi)
+    gen = (pos >= g_lo) & (pos < (length if g_hi is None else g_hi))
+    return (prompt | gen).to(torch.float32)
+
+
+def _greedy(
+    model: Any, prompt: Sequence[int], phase: str, max_tokens: int,
+    mask_box: list[torch.Tensor], handles: list[Any],
+) -> Generation:
+    n_prompt = len(prompt)
     try:
         ids = list(prompt)
         logprobs: list[float] = []
         with torch.no_grad():
             for _ in range(max_tokens):
-                pos = torch.arange(len(ids))
-                is_prompt = pos < n_prompt
-                steer = {"all": torch.ones_like(is_prompt), "prefill": is_prompt,
-                         "decode": ~is_prompt}[phase]
-                mask_box[:] = [steer.to(torch.float32)]
+                mask_box[:] = [position_mask(phase, n_prompt, len(ids))]
                 logits = model(torch.tensor([ids])).logits[0, -1].to(torch.float64)
                 lp = torch.log_softmax(logits, dim=-1)
                 tok = int(torch.argmax(logits))

@@ -117,6 +117,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.self_attn = nn.Identity()
+        self.post_attention_layernorm = nn.Identity()  # where post_attn clamps read the stream
 
     def forward(self, positions: Any, hidden_states: Any, residual: Any) -> Any:
         return hidden_states, residual

@@ -191,6 +191,14 @@ class _Attn(nn.Module):
         return hidden_states * 2
 
 
+class _AddNorm(nn.Module):
+    """vLLM's fused residual add + norm, with the identity for the norm."""
+
+    def forward(self, x, residual):
+        s = x + residual
+        return s, s
+
+
 class _Layer(nn.Module):
     """vLLM's (hidden_states, residual) convention, linear so each site is visible:
     stream in s -> attention 2s -> after residual add 3s -> mlp output 3s -> out 6s."""
@@ -198,11 +206,12 @@ class _Layer(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.self_attn = _Attn()
+        self.post_attention_layernorm = _AddNorm()
 
     def forward(self, positions, hidden_states, residual):
         stream = hidden_states if residual is None else hidden_states + residual
         attn = self.self_attn(positions=positions, hidden_states=stream)
-        residual = stream + attn  # vLLM fuses this add into post_attention_layernorm
+        _, residual = self.post_attention_layernorm(attn, stream)
         return residual * 1, residual
 
 
