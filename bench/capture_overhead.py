@@ -80,32 +80,17 @@ def main(argv: list[str] | None = None) -> int:
         _micro(args.hidden, args.layers, args.batch)
         return 0
 
-    os.environ["VLLM_PLUGINS"] = "steergate"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     capture_dir = tempfile.TemporaryDirectory(prefix="sg-capture-bench-")
     os.environ["STEERGATE_CAPTURE_DIR"] = capture_dir.name
-
+    from bench.offline import offline_llm, shape, token_prompts
     from steergate.engine import capture_io
-    from steergate.engine.tiny_model import generate
 
-    tmp = tempfile.TemporaryDirectory(prefix="sg-bench-")
-    model = args.model or str(generate(
-        tmp.name, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.hidden // 64,
-        num_kv_heads=max(1, args.hidden // 256), intermediate_size=args.hidden * 11 // 4, seed=0,
-    ))
+    llm, tmp = offline_llm(args.model, args.hidden, args.layers, args.batch)
+    from vllm import SamplingParams
 
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    llm = LLM(model=model, seed=0, max_num_seqs=max(16, args.batch), enable_prefix_caching=False)
     cfg = llm.llm_engine.vllm_config.model_config
-    parallel = llm.llm_engine.vllm_config.parallel_config
-    hidden, layers = cfg.get_hidden_size(), cfg.get_num_layers(parallel)
-    prompts = [
-        TokensPrompt(prompt_token_ids=[10 + (i * 7 + j) % 500 for j in range(args.prompt_tokens)])
-        for i in range(args.batch)
-    ]
+    hidden, layers = shape(llm)
+    prompts = token_prompts(args.batch, args.prompt_tokens)
     sites = [(hook, layer) for layer in range(layers) for hook in HOOKS]
 
     def params(extra: dict[str, str] | None) -> SamplingParams:

@@ -21,7 +21,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -116,33 +115,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="clamp directions per steered request at every post_block (<= 4)")
     args = ap.parse_args(argv)
 
-    os.environ["VLLM_PLUGINS"] = "steergate"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     sys.path.insert(0, str(ROOT))
+    from bench.offline import offline_llm, shape, token_prompts
 
-    from steergate.engine.tiny_model import generate
+    llm, tmp = offline_llm(args.model, args.hidden, args.layers, args.batch, args.dtype)
+    from vllm import SamplingParams
 
-    tmp = tempfile.TemporaryDirectory(prefix="sg-bench-")
-    model = args.model or str(generate(
-        tmp.name, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.hidden // 64,
-        num_kv_heads=max(1, args.hidden // 256), intermediate_size=args.hidden * 11 // 4, seed=0,
-    ))
-
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    llm = LLM(model=model, dtype=args.dtype, seed=0, max_num_seqs=max(16, args.batch),
-              enable_prefix_caching=False)
     cfg = llm.llm_engine.vllm_config.model_config
-    parallel = llm.llm_engine.vllm_config.parallel_config
-    hidden, layers = cfg.get_hidden_size(), cfg.get_num_layers(parallel)
+    hidden, layers = shape(llm)
     hooks = ["pre_attn", "post_attn", "post_block"] if args.hooks == "all" else ["post_block"]
     payloads = _payloads(args.batch, hidden, layers, hooks, args.clamps)
-    prompts = [
-        TokensPrompt(prompt_token_ids=[10 + (i * 7 + j) % 500 for j in range(args.prompt_tokens)])
-        for i in range(args.batch)
-    ]
+    prompts = token_prompts(args.batch, args.prompt_tokens)
 
     def params(payload: str | None) -> SamplingParams:
         return SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True,
