@@ -253,7 +253,8 @@ def test_engine_runs_two_ranks_as_ray_actors_with_the_plugin(ray_engine: EngineP
     steering = {
         ln.split("(RayWorkerProc pid=", 1)[1].split(")", 1)[0]
         for ln in actor_lines
-        if "steergate: steering 4 layers x 3 hooks" in ln
+        if "steergate: steering LlamaForCausalLM (fused-residual convention): 4 layers x 3 hooks"
+        in ln
     }
     assert len(steering) == 2, actor_lines[-20:]
 
