@@ -52,7 +52,11 @@ def _preemptions(engine: EngineProcess) -> float:
     return float(m.group(1))
 
 
-@pytest.mark.parametrize("reduce", ["none", "mean"])
+# Only reduce "none" under preemption: whether a request pair preempts depends on the
+# scheduler's timing, and a second case on the same engine did not preempt reliably
+# (CI, 2026-12-04). "mean" and "last" reduce the same per-position records (the worker
+# writes rows per step; tests/engine/test_capture_worker.py checks the reduction).
+@pytest.mark.parametrize("reduce", ["none"])
 def test_chunked_and_preempted_capture_equals_reference(
     small_engine: EngineProcess, tiny_model: Path, reduce: str
 ) -> None:
