@@ -61,9 +61,14 @@ def test_429s_are_counted_by_cause(ops: Ops) -> None:
     r = ops.chat(key)
     assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
     ops.admin("PATCH", "/admin/tenants/acme", json={"limits": {"rpm": 1000}})
-    ops.wait_for(
-        lambda: ops.chat(key, conversation_id="c2", steering=INLINE_LATCH).status_code == 429
-    )
+
+    def latch_refused() -> bool:
+        # Until the gateway sees the raised rpm (pub/sub invalidation; slower on a
+        # cluster) this request is still a rate_limit 429: wait for the latch cause.
+        r = ops.chat(key, conversation_id="c2", steering=INLINE_LATCH)
+        return r.status_code == 429 and r.json()["error"]["code"] == "latch_quota_exceeded"
+
+    ops.wait_for(latch_refused)
     ops.wait_for(lambda: _usage(ops, key)["rejections"]["latch_quota_exceeded"] >= 1)
     doc = _usage(ops, key)
     assert doc["rejections"]["rate_limit_exceeded"] >= 1
