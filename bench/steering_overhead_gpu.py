@@ -26,6 +26,14 @@ paired ratios. Before timing it checks on CUDA that the fused kernel equals the 
 body bit for bit (float32, float16, bfloat16), that a captured graph reads the tables'
 current contents, and that the unsteered step equals the stock step bit for bit.
 
+``--compiled`` (or ``--compiled-only``) also times the step compiled by torch.compile
+(Inductor, as vLLM compiles a model on CUDA) and captured per token count, with the
+engine's clamp tables (``--clamps K`` per point, 0: none): ``stock``, ``kernel`` (the
+custom ops, opaque to Inductor: the default) and ``inductor`` (their torch bodies traced
+into the graph, ``STEERGATE_CUDA_COMPILED_STEER=inductor``), unsteered, steered, and
+steered with K clamps at every ``post_block``; ``--compiled-layers`` (8) keeps compile
+time short (the op's cost and the step's both scale with the layer count).
+
 Where vLLM's CUDA build is installed and ``--vllm-model`` names a model, it also times
 ``vllm.LLM.generate`` with the plugin off / on unsteered / on steered (skipped otherwise).
 
@@ -65,6 +73,7 @@ from steergate.engine.payload import Payload  # noqa: E402
 from steergate.engine.worker import fused, op  # noqa: E402
 from steergate.engine.worker.layers import find_decoder_layers, wrap_layers  # noqa: E402
 from steergate.engine.worker.tables import HOOKS, SteeringTables, StepRequest  # noqa: E402
+from steergate.shared.clamp import Bounds, Resolved  # noqa: E402
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN = 4096, 32, 8, 128, 14336
 EPS = 1e-5
@@ -96,11 +105,29 @@ class _Attn(nn.Module):
         return F.linear(out.reshape(t, HEADS * HEAD_DIM), self.w["o"])
 
 
+class _RMSNorm(nn.Module):
+    """vLLM's RMSNorm convention: ``norm(x)``, or with a residual ``(norm(x + r), x + r)``."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = weight
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return F.rms_norm(x, (HIDDEN,), self.weight, EPS)
+        s = x + residual
+        return F.rms_norm(s, (HIDDEN,), self.weight, EPS), s
+
+
 class _Layer(nn.Module):
     def __init__(self, w: dict[str, torch.Tensor], kv: tuple[torch.Tensor, torch.Tensor]):
         super().__init__()
         self.w = w
         self.self_attn = _Attn(w, kv)
+        self.input_layernorm = _RMSNorm(w["ln1"])
+        self.post_attention_layernorm = _RMSNorm(w["ln2"])
 
     def forward(
         self,
@@ -108,11 +135,13 @@ class _Layer(nn.Module):
         hidden_states: torch.Tensor,
         residual: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        residual = hidden_states if residual is None else hidden_states + residual
-        x = F.rms_norm(residual, (HIDDEN,), self.w["ln1"], EPS)
+        if residual is None:
+            residual = hidden_states
+            x = self.input_layernorm(hidden_states)
+        else:
+            x, residual = self.input_layernorm(hidden_states, residual)
         attn = self.self_attn(positions, x)
-        residual = attn + residual
-        x = F.rms_norm(residual, (HIDDEN,), self.w["ln2"], EPS)
+        x, residual = self.post_attention_layernorm(attn, residual)
         gate, up = F.linear(x, self.w["gate_up"]).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, self.w["down"]), residual
 
@@ -194,8 +223,9 @@ def _empty_kernel() -> Any:
     import triton.language as tl
 
     @triton.jit
-    def empty(hidden_ptr, table_ptr, index_ptr, hidden_stride, table_stride, width,
-              BLOCK: tl.constexpr):
+    def empty(
+        hidden_ptr, table_ptr, index_ptr, hidden_stride, table_stride, width, BLOCK: tl.constexpr
+    ):
         tl.program_id(0)  # references tl, so Triton resolves the annotation
 
     return empty
@@ -235,6 +265,37 @@ def check_kernel() -> list[str]:
     return lines
 
 
+def check_clamp_kernel() -> list[str]:
+    """Fused clamp kernel == the torch body to rounding (its dot products sum in
+    another order); rows at slot 0 untouched bit for bit."""
+    from steergate.engine.worker import clamp as clamp_op
+
+    lines = []
+    gen = torch.Generator(device=DEVICE).manual_seed(2)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 1.6e-2)):
+        for width in (4096, 577):
+            table = clamp_op.ClampTable(9, 4, width, torch.device(DEVICE))
+            d = torch.randn(8, 4, width, device=DEVICE, generator=gen)
+            table.dirs[1:] = d / d.norm(dim=-1, keepdim=True)
+            table.bounds[1:, :, 0], table.bounds[1:, :, 1] = -0.3, 0.4
+            table.bounds[1:, :, 2] = 0.5
+            hidden = (torch.randn(40, width, device=DEVICE, generator=gen) * 2).to(dtype)
+            residual = torch.randn(40, width, device=DEVICE, generator=gen).to(dtype)
+            index = torch.randint(0, 9, (48,), device=DEVICE, generator=gen)
+            index[0], index[1] = 0, 8
+            want = hidden.clone()
+            clamp_op.torch_clamp(want, residual, table.dirs, table.bounds, index)
+            got = hidden.clone()
+            fused.clamp(got, residual, table.dirs, table.bounds, index)
+            err = ((got.float() - want.float()).abs() / (1 + want.float().abs())).max().item()
+            ok = err <= tol and torch.equal(_bits(got[0]), _bits(hidden[0]))
+            lines.append(
+                f"  clamp kernel ~ torch  {str(dtype):15} width {width:5}: "
+                f"{'ok' if ok else 'MISMATCH'} (max rel {err:.1e})"
+            )
+    return lines
+
+
 def check_graph_reads_tables() -> list[str]:
     """A captured graph sees rows written and index filled after capture."""
     width, tokens = 4096, 8
@@ -245,6 +306,7 @@ def check_graph_reads_tables() -> list[str]:
         max_tokens=64,
         dtype=torch.float32,
         device=DEVICE,
+        max_clamps=0,
     )
     table = t.tables[("post_block", 0)]
     x = torch.randn(tokens, width, device=DEVICE)
@@ -429,6 +491,7 @@ def run_synthetic(args: argparse.Namespace, emit: Callable[[str], None]) -> None
         max_tokens=max_t,
         dtype=DT,
         device=DEVICE,
+        max_clamps=0,  # the add alone; clamps are timed in the compiled run
     )
     layers, present = find_decoder_layers(models["op"])
     wrap_layers(layers, present, tables)
@@ -488,6 +551,224 @@ def run_synthetic(args: argparse.Namespace, emit: Callable[[str], None]) -> None
         )
     emit("")
     emit("stock / variant (1.0 = free): ratio of medians [range of per-repeat paired ratios]")
+    emit("| tokens | " + " | ".join(names) + " |")
+    emit("|---|" + "---|" * len(names))
+    for n, times in rows:
+        emit(f"| {n} | " + " | ".join(_fmt_ratio(times["stock"], times[k]) for k in names) + " |")
+
+
+# ---- compiled (what vLLM runs on CUDA by default) --------------------------------
+
+
+def _time_graphs(
+    variants: list[tuple[str, torch.cuda.CUDAGraph, Callable[[], None] | None]],
+    repeats: int,
+    replays: int,
+) -> dict[str, list[float]]:
+    """Per-variant step times (ms), variants interleaved with a rotating order."""
+    times: dict[str, list[float]] = {name: [] for name, _, _ in variants}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for rep in range(repeats):
+        k = rep % len(variants)
+        for name, g, fill in variants[k:] + variants[:k]:
+            if fill:
+                fill()
+            g.replay()  # absorbs an index change between variants
+            start.record()
+            for _ in range(replays):
+                if fill:
+                    fill()
+                g.replay()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) / replays)
+    return times
+
+
+def run_compiled(args: argparse.Namespace, emit: Callable[[str], None]) -> None:
+    """The step compiled by torch.compile (Inductor), as vLLM compiles a model on CUDA,
+    then captured in a CUDA graph per token count. Variants: ``stock`` (compiled without
+    the plugin), ``kernel`` (the op as an opaque custom op: one fused launch per site)
+    and ``inductor`` (the op's torch body traced into the graph, ``op.apply``'s default
+    under compile on CUDA: Inductor fuses the gather-add into the neighbouring kernels).
+    Fewer layers than the eager run (``--compiled-layers``) keep compile time short: the
+    op's cost and the step's both scale with the layer count, so the ratio does not."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.config.cache_size_limit = 64
+    torch._dynamo.config.accumulated_cache_size_limit = 256
+    token_counts = [int(t) for t in args.tokens.split(",")]
+    max_t, n_layers = max(token_counts), args.compiled_layers
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    t0 = time.perf_counter()
+    weights = _weights(n_layers, gen)
+    kv = _kv(n_layers, max_t, args.ctx, gen)
+    tables = SteeringTables(
+        hidden_size=HIDDEN,
+        layers=list(range(n_layers)),
+        num_slots=3 * max_t + 1,
+        max_tokens=max_t,
+        dtype=DT,
+        device=DEVICE,
+        max_clamps=args.clamps,
+    )
+    eager = _Model(weights, kv)
+    models = {
+        "stock": _Model(weights, kv),
+        "kernel": _Model(weights, kv),
+        "inductor": _Model(weights, kv),
+    }
+    for name in ("kernel", "inductor"):
+        layers, present = find_decoder_layers(models[name])
+        wrap_layers(layers, present, tables)
+    layers, present = find_decoder_layers(eager)
+    wrap_layers(layers, present, tables)
+    compiled = {name: torch.compile(m, dynamic=True) for name, m in models.items()}
+    rng = np.random.default_rng(0)
+
+    def unit(v: np.ndarray) -> np.ndarray:
+        return (v / np.linalg.norm(v)).astype(np.float32)
+
+    def requests(tag: str, scale: float, count: int, clamps: bool = False) -> list[StepRequest]:
+        out = []
+        for i in range(count):
+            rid = f"{tag}{i}"
+            vecs = {
+                (h, layer): (rng.normal(size=HIDDEN) * 0.02 * scale).astype(np.float32)
+                for h in HOOKS
+                for layer in range(n_layers)
+            }
+            # The cap's worth of clamps at every layer's post_block: one ablation and
+            # half-strength two-sided clamps (the CPU benchmark's mix).
+            cl = (
+                tuple(
+                    Resolved(
+                        ("post_block", layer),
+                        unit(rng.normal(size=HIDDEN)),
+                        Bounds(0.0, 0.0) if k == 0 else Bounds(-0.5, 0.5, 0.5),
+                    )
+                    for layer in range(n_layers)
+                    for k in range(args.clamps)
+                )
+                if clamps
+                else ()
+            )
+            tables.add_request(rid, Payload("all", vecs, rid, clamps=cl))
+            out.append(StepRequest(rid, i, i + 1, first_pos=args.ctx, num_prompt_tokens=16))
+        return out
+
+    reqs = requests("a", 1.0, max_t)
+    creqs = requests("c", 1.0, max_t, clamps=args.clamps > 0) if args.clamps else []
+    tables.fill(reqs, max_t)
+    torch.cuda.synchronize()
+    emit(f"compiled: setup {time.perf_counter() - t0:.1f} s, {n_layers} layers")
+    rows = []
+    deadline = time.perf_counter() + args.compiled_budget_s
+    for n in token_counts:
+        if time.perf_counter() > deadline:
+            emit(f"  tokens {n}: skipped (--compiled-budget-s spent)")
+            continue
+        t1 = time.perf_counter()
+        x = torch.empty(n, HIDDEN, dtype=DT, device=DEVICE).normal_()
+        outs = {name: torch.empty(n, HIDDEN, dtype=DT, device=DEVICE) for name in compiled}
+
+        def fill_none(n: int = n) -> None:
+            tables.fill([], n)
+
+        def fill_steered(n: int = n, r: list[StepRequest] = reqs) -> None:
+            tables.fill(r[:n], n)
+
+        def fill_clamped(n: int = n, r: list[StepRequest] = creqs) -> None:
+            tables.fill(r[:n], n)
+
+        graphs = {}
+        for name, fn in compiled.items():
+            op.CUDA_COMPILED_BODY = "kernel" if name == "kernel" else "inductor"
+
+            def step(
+                fn: Callable[..., torch.Tensor] = fn,
+                out: torch.Tensor = outs[name],
+                x: torch.Tensor = x,
+            ) -> None:
+                out.copy_(fn(x.clone()))
+
+            fill_none()
+            graphs[name] = _capture(step)
+        op.CUDA_COMPILED_BODY = "inductor"
+        compile_s = time.perf_counter() - t1
+        # Checks: unsteered == stock; steered == the eager op (bf16 rounding apart:
+        # Inductor keeps the sum in float32 where eager rounds after each add); a
+        # request registered after capture is read by the captured graph.
+        fill_none()
+        graphs["stock"].replay()
+        graphs["inductor"].replay()
+        torch.cuda.synchronize()
+        same = torch.equal(_bits(outs["stock"]), _bits(outs["inductor"]))
+        late = requests(f"late{n}-", 3.0, n)
+        tables.fill(late, n)
+        graphs["inductor"].replay()
+        graphs["kernel"].replay()
+        want = eager(x.clone())
+        torch.cuda.synchronize()
+        scale = want.float().abs().max().item()
+        d_ind = (outs["inductor"].float() - want.float()).abs().max().item() / scale
+        d_ker = (outs["kernel"].float() - want.float()).abs().max().item() / scale
+        d_stock = (outs["stock"].float() - want.float()).abs().max().item() / scale
+        for r in late:
+            tables.remove_request(r.req_id)
+        d_clamp = ""
+        if creqs:
+            fill_clamped()
+            graphs["inductor"].replay()
+            ind = outs["inductor"].clone()
+            graphs["kernel"].replay()
+            want = eager(x.clone())
+            torch.cuda.synchronize()
+            scale = want.float().abs().max().item()
+            d_i = (ind.float() - want.float()).abs().max().item() / scale
+            d_k = (outs["kernel"].float() - want.float()).abs().max().item() / scale
+            d_clamp = f"; with clamps: inductor {d_i:.2e}, kernel {d_k:.2e}"
+        variants = [
+            ("stock", graphs["stock"], None),
+            ("kernel unsteered", graphs["kernel"], fill_none),
+            ("kernel steered", graphs["kernel"], fill_steered),
+            ("inductor unsteered", graphs["inductor"], fill_none),
+            ("inductor steered", graphs["inductor"], fill_steered),
+        ]
+        if creqs:
+            variants += [
+                ("kernel +clamps", graphs["kernel"], fill_clamped),
+                ("inductor +clamps", graphs["inductor"], fill_clamped),
+            ]
+        times = _time_graphs(variants, args.repeats, args.replays)
+        rows.append((n, times))
+        emit(
+            f"  tokens {n:3}: compile+capture {compile_s:.1f} s, "
+            f"total {time.perf_counter() - t1:.1f} s; "
+            f"inductor unsteered == stock bit for bit: {'yes' if same else 'NO'}; "
+            f"steered by requests added after capture, max |d| / max|ref| vs the eager op: "
+            f"inductor {d_ind:.2e}, kernel {d_ker:.2e} (stock, unsteered: {d_stock:.2e})"
+            f"{d_clamp}; graph breaks so far: {sum(counters['graph_break'].values())}"
+        )
+    if not rows:
+        return
+    names = [k for k in rows[0][1] if k != "stock"]
+    emit("")
+    emit(
+        f"compiled step ({n_layers} layers), ms (median ±IQR), {args.repeats} repeats x "
+        f"{args.replays} replays"
+    )
+    emit("| tokens | stock | " + " | ".join(names) + " |")
+    emit("|---|---|" + "---|" * len(names))
+    for n, times in rows:
+        emit(
+            f"| {n} | {_fmt_ms(times['stock'])} | "
+            + " | ".join(_fmt_ms(times[k]) for k in names)
+            + " |"
+        )
+    emit("")
+    emit("compiled: stock / variant (1.0 = free): ratio of medians [range of paired ratios]")
     emit("| tokens | " + " | ".join(names) + " |")
     emit("|---|" + "---|" * len(names))
     for n, times in rows:
@@ -586,6 +867,29 @@ def main(argv: list[str] | None = None) -> int:
         help="drop the variants with the kernel launched one program per row",
     )
     ap.add_argument("--vllm-model", help="a model folder for the vllm.LLM comparison")
+    ap.add_argument(
+        "--compiled",
+        action="store_true",
+        help="also time the step compiled by torch.compile (Inductor)",
+    )
+    ap.add_argument(
+        "--compiled-only",
+        action="store_true",
+        help="only the compiled comparison (skips the eager-graph table)",
+    )
+    ap.add_argument("--compiled-layers", type=int, default=8)
+    ap.add_argument(
+        "--clamps",
+        type=int,
+        default=4,
+        help="clamp entries per point in the compiled run (0: add only)",
+    )
+    ap.add_argument(
+        "--compiled-budget-s",
+        type=float,
+        default=240,
+        help="start no new token count in the compiled run after this",
+    )
     ap.add_argument("--out", help="also write the printed report here")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -611,9 +915,14 @@ def main(argv: list[str] | None = None) -> int:
         emit(f"  fused kernel FAILED ({type(exc).__name__}: {exc}); timing the torch body")
         traceback.print_exc()
         fused.available = lambda: False  # type: ignore[assignment]
+    for line in check_clamp_kernel():
+        emit(line)
     for line in check_graph_reads_tables():
         emit(line)
-    run_synthetic(args, emit)
+    if not args.compiled_only:
+        run_synthetic(args, emit)
+    if args.compiled or args.compiled_only:
+        run_compiled(args, emit)
     run_vllm(args, emit)
     emit(f"total {time.perf_counter() - t0:.0f} s")
     if args.out:

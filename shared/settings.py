@@ -37,6 +37,12 @@ class EngineSettings(BaseSettings):
         description="Clamp/ablate directions per point of the residual stream (each costs "
         "a [slots, hidden] float32 table per point); more in one request: 400.",
     )
+    cuda_compiled_steer: Literal["kernel", "inductor"] = Field(
+        default="kernel",
+        description="In graphs vLLM compiles on CUDA, each steering site is `kernel` (one "
+        "fused Triton launch; cheaper for 1-token decode steps) or `inductor` (the torch "
+        "body traced for Inductor to fuse; cheaper from 16 tokens). See docs/benchmarks.md.",
+    )
     steering: Literal["on", "off"] = Field(
         default="on",
         description=(
@@ -102,8 +108,7 @@ class GatewaySettings(BaseSettings):
     rate_limit_fail_open: bool = Field(
         default=False,
         description=(
-            "Admit requests unmetered when Redis is unreachable "
-            "(default: fail closed with 503)."
+            "Admit requests unmetered when Redis is unreachable (default: fail closed with 503)."
         ),
     )
     redis_timeout_s: float = Field(

@@ -19,7 +19,10 @@ so the op reads both and writes the change into ``hidden`` only, which the next 
 add+norm sums into the stream exactly as it does the additive steering.
 
 On CPU nothing is recorded, so the body skips a table no live slot uses (the same
-liveness set as the add, :func:`engine.worker.op.mark_live`).
+liveness set as the add, :func:`engine.worker.op.mark_live`). On CUDA the op is one
+Triton launch per point (:func:`engine.worker.fused.clamp`) whose programs for tokens
+at slot 0 return at once; the eager torch body is ~5K + 4 kernels at every point,
+which inside a CUDA graph cost about half the step (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import math
 import numpy as np
 import torch
 
-from steergate.engine.worker import op
+from steergate.engine.worker import fused, op
 
 OP_NAME = "steergate::clamp"
 Floats = tuple[float, float, float]  # lo, hi, strength
@@ -43,7 +46,15 @@ def clamp(
     bounds: torch.Tensor,
     index: torch.Tensor,
 ) -> None:
-    if hidden.device.type == "cpu" and dirs.data_ptr() not in op._LIVE_TABLES:
+    if hidden.device.type == "cpu":
+        if dirs.data_ptr() not in op._LIVE_TABLES:
+            return
+    elif (
+        hidden.is_cuda
+        and fused.available()
+        and fused.clamp_supports(hidden, residual, dirs, bounds, index)
+    ):
+        fused.clamp(hidden, residual, dirs, bounds, index)
         return
     torch_clamp(hidden, residual, dirs, bounds, index)
 
@@ -93,7 +104,14 @@ def apply(
     table: ClampTable | None,
     index: torch.Tensor,
 ) -> None:
-    if table is not None:
+    if table is None:
+        return
+    # Under torch.compile on CUDA the body is traced into the graph (as the add's is,
+    # engine/worker/op.py ``apply``): Inductor fuses the K steps into the neighbouring
+    # kernels instead of ~5K + 4 launches of the eager body at every point.
+    if hidden.is_cuda and op.CUDA_COMPILED_BODY == "inductor" and torch.compiler.is_compiling():
+        torch_clamp(hidden, residual, table.dirs, table.bounds, index)
+    else:
         torch.ops.steergate.clamp(hidden, residual, table.dirs, table.bounds, index)
 
 

@@ -33,7 +33,12 @@ def build_kernel() -> Any:
 
     @triton.jit
     def steer_gather_add(
-        hidden_ptr, table_ptr, index_ptr, hidden_stride, table_stride, width,
+        hidden_ptr,
+        table_ptr,
+        index_ptr,
+        hidden_stride,
+        table_stride,
+        width,
         BLOCK: tl.constexpr,
     ):
         token = tl.program_id(0)
@@ -91,6 +96,139 @@ def gather_add(
         return
     grid = (n, -(-width // BLOCK))
     (kernel or _kernel())[grid](
-        hidden, table, index, hidden.stride(0), table.stride(0), width,
-        BLOCK=BLOCK, num_warps=NUM_WARPS,
+        hidden,
+        table,
+        index,
+        hidden.stride(0),
+        table.stride(0),
+        width,
+        BLOCK=BLOCK,
+        num_warps=NUM_WARPS,
+    )
+
+
+# ---- directional clamps: one launch per point ------------------------------------
+#
+# ``engine.worker.clamp.torch_clamp`` in one program per token row: the row (plus the
+# residual, where the stream is carried in two tensors) in float32, the slot's K
+# clamps in order, the change written into ``hidden``. A token at slot 0 returns at
+# once (row 0 holds only unused entries, which change nothing), so a step without
+# clamps costs one launch per point, not the eager body's ~5K + 4 kernels. The dot
+# products are Triton's block reductions, so the result equals the torch body to
+# float32 rounding (not bit for bit: the summation order differs).
+
+CLAMP_MAX_WIDTH = 16384  # one program holds a whole row
+
+
+def build_clamp_kernel() -> Any:
+    """Define the Triton clamp kernel (a new object per call, as :func:`build_kernel`)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def steer_clamp(
+        hidden_ptr,
+        residual_ptr,
+        dirs_ptr,
+        bounds_ptr,
+        index_ptr,
+        hidden_stride,
+        residual_stride,
+        width,
+        K: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        token = tl.program_id(0)
+        slot = tl.load(index_ptr + token).to(tl.int64)
+        if slot == 0:
+            return  # unsteered token or padding: nothing to clamp
+        cols = tl.arange(0, BLOCK)
+        mask = cols < width
+        h_ptrs = hidden_ptr + token.to(tl.int64) * hidden_stride + cols
+        h_raw = tl.load(h_ptrs, mask=mask, other=0.0)
+        stream = h_raw.to(tl.float32)
+        if HAS_RESIDUAL:
+            r_ptrs = residual_ptr + token.to(tl.int64) * residual_stride + cols
+            stream = stream + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
+        x = stream
+        for k in tl.static_range(K):
+            d = tl.load(dirs_ptr + (slot * K + k) * width + cols, mask=mask, other=0.0)
+            c = tl.sum(x * d, axis=0)
+            lo = tl.load(bounds_ptr + (slot * K + k) * 3)
+            hi = tl.load(bounds_ptr + (slot * K + k) * 3 + 1)
+            strength = tl.load(bounds_ptr + (slot * K + k) * 3 + 2)
+            x = x + (strength * (tl.minimum(tl.maximum(c, lo), hi) - c)) * d
+        # torch: hidden.add_((x - stream).to(hidden.dtype)), summed in float32, rounded once
+        change = (x - stream).to(h_raw.dtype).to(tl.float32)
+        tl.store(h_ptrs, (h_raw.to(tl.float32) + change).to(h_raw.dtype), mask=mask)
+
+    return steer_clamp
+
+
+@functools.cache
+def _clamp_kernel() -> Any:
+    return build_clamp_kernel()
+
+
+def clamp_supports(
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    dirs: torch.Tensor,
+    bounds: torch.Tensor,
+    index: torch.Tensor,
+) -> bool:
+    """Layouts the clamp kernel handles; anything else takes the torch body."""
+    return (
+        hidden.dim() == 2
+        and hidden.dtype in DTYPES
+        and hidden.stride(1) == 1
+        and 0 < hidden.shape[1] <= CLAMP_MAX_WIDTH
+        and (
+            residual is None
+            or (
+                residual.shape == hidden.shape
+                and residual.stride(1) == 1
+                and residual.dtype in DTYPES
+            )
+        )
+        and dirs.dim() == 3
+        and dirs.dtype == torch.float32
+        and dirs.is_contiguous()
+        and dirs.shape[2] == hidden.shape[1]
+        and bounds.dtype == torch.float32
+        and bounds.is_contiguous()
+        and tuple(bounds.shape) == (dirs.shape[0], dirs.shape[1], 3)
+        and index.dtype in (torch.int64, torch.int32)
+        and index.is_contiguous()
+        and hidden.shape[0] <= index.shape[0]
+    )
+
+
+def clamp(
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    dirs: torch.Tensor,
+    bounds: torch.Tensor,
+    index: torch.Tensor,
+    kernel: Any = None,
+) -> None:
+    """``torch_clamp`` in one launch: K clamps per token at its slot, in place."""
+    n, width = hidden.shape
+    if n == 0 or dirs.shape[1] == 0:
+        return
+    block = 1 << (width - 1).bit_length()
+    (kernel or _clamp_kernel())[(n,)](
+        hidden,
+        hidden if residual is None else residual,
+        dirs,
+        bounds,
+        index,
+        hidden.stride(0),
+        0 if residual is None else residual.stride(0),
+        width,
+        K=dirs.shape[1],
+        HAS_RESIDUAL=residual is not None,
+        BLOCK=block,
+        num_warps=8 if block >= 4096 else 4,
     )

@@ -18,6 +18,7 @@ check is a set lookup, far cheaper than the gather it avoids.
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import torch
@@ -64,8 +65,29 @@ def _steer_fake(hidden: torch.Tensor, table: torch.Tensor, index: torch.Tensor) 
     return None
 
 
+#: What a graph compiled on CUDA gets at each site (``STEERGATE_CUDA_COMPILED_STEER``,
+#: validated with the engine settings, shared/settings.py): ``"kernel"`` (default) keeps
+#: the opaque custom op, one fused Triton launch per site; ``"inductor"`` traces the
+#: torch body into the graph for Inductor to schedule with its neighbours. Measured on
+#: an H200 (docs/benchmarks.md): the kernel is cheaper for 1-token decode steps, Inductor
+#: for 16 tokens and more. Read when a graph is traced (Dynamo guards on it), never per
+#: request; part of the compile-cache tag (compile_tag.py). Eager CUDA and CPU always
+#: call the custom op: eager has nothing to fuse with, and the CPU op skips dead tables.
+CUDA_COMPILED_BODY = os.environ.get("STEERGATE_CUDA_COMPILED_STEER", "kernel")
+
+
 def apply(hidden: torch.Tensor, table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Call the op through the dispatcher (what compiled graphs see) and return
-    ``hidden`` so callers can chain it."""
-    torch.ops.steergate.steer(hidden, table, index)
+    """Add each token's row in place and return ``hidden`` so callers can chain it.
+
+    Under torch.compile on CUDA with ``CUDA_COMPILED_BODY == "inductor"`` this is the
+    torch body itself, traced into the graph: the tables are graph inputs, so a compiled
+    graph and its CUDA-graph replays read their current contents (checked on the GPU by
+    bench/steering_overhead_gpu.py --compiled, on CPU by tests/engine/test_steering_op.py).
+    Otherwise the custom op, which compiled graphs call opaquely.
+    The choice depends on the device and on whether a graph is being traced, both fixed
+    for a captured graph: never on request contents."""
+    if hidden.is_cuda and CUDA_COMPILED_BODY == "inductor" and torch.compiler.is_compiling():
+        torch_steer(hidden, table, index)
+    else:
+        torch.ops.steergate.steer(hidden, table, index)
     return hidden

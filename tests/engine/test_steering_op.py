@@ -55,6 +55,37 @@ def test_op_skips_tables_with_no_live_rows_on_cpu() -> None:
     assert torch.equal(hidden, torch.zeros(2, H))
 
 
+def test_traced_body_compiled_by_inductor_reads_the_tables_current_contents() -> None:
+    """The ``inductor`` body on CUDA (op.CUDA_COMPILED_BODY) is the torch body traced
+    into the graph. Inductor must take the tables and index as inputs, not constants:
+    rows written and slots changed after compilation are seen by the next call, and
+    clamps likewise (CPU Inductor here; the GPU bench checks CUDA graphs)."""
+    from steergate.engine.worker import clamp as clamp_op
+
+    table = torch.zeros(3, H)
+    clamps = clamp_op.ClampTable(3, 1, H, torch.device("cpu"))
+    index = torch.zeros(16, dtype=torch.int64)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        op.torch_steer(y, table, index)
+        clamp_op.torch_clamp(y, None, clamps.dirs, clamps.bounds, index)
+        return y + 1
+
+    compiled = torch.compile(f, backend="inductor", dynamic=True, fullgraph=True)
+    x = torch.ones(4, H)
+    assert torch.equal(compiled(x), torch.full((4, H), 3.0))
+    table[2] = 5.0
+    index[1] = 2
+    out = compiled(x)
+    assert torch.equal(out[1], torch.full((H,), 8.0)) and torch.equal(out[0], torch.full((H,), 3.0))
+    clamps.dirs[2, 0, 0] = 1.0  # ablate component 0 at slot 2
+    clamps.bounds[2, 0] = torch.tensor([0.0, 0.0, 1.0])
+    out = compiled(x)
+    assert out[1, 0].item() == 1.0 and torch.equal(out[1, 1:], torch.full((H - 1,), 8.0))
+    assert torch.equal(out[0], torch.full((H,), 3.0))
+
+
 def test_compiled_graph_reads_the_tables_current_contents() -> None:
     """Inductor must keep the op opaque: a table written after compilation (as the
     worker does for every new request) is seen by the next call."""
