@@ -145,10 +145,9 @@ def reference(
 ) -> Generation:
     """``clamp_first``: the wrong order (clamps, then adds), to show the order matters."""
     model = _model(str(model_dir))
-    layers = model.model.layers
     mask_box: list[torch.Tensor] = []
     if clamps:
-        handles = _point_hooks(layers, sites or {}, clamps, mask_box, clamp_first)
+        handles = _point_hooks(model, sites or {}, clamps, mask_box, clamp_first)
         return _greedy(model, prompt, phase, max_tokens, mask_box, handles)
 
     def add(t: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
@@ -159,11 +158,19 @@ def reference(
 
 
 def _point_hooks(
-    layers: Any, sites: Mapping[Site, np.ndarray], clamps: Sequence[Clamp],
+    model: Any, sites: Mapping[Site, np.ndarray], clamps: Sequence[Clamp],
     mask_box: list[torch.Tensor], clamp_first: bool = False,
 ) -> list[Any]:
     """Adds and clamps by point of the stream: at each point the adds (of both names
-    where post_block l and pre_attn l+1 meet), then the clamps in the order given."""
+    where post_block l and pre_attn l+1 meet), then the clamps in the order given.
+    The ``post_attn`` point is the stream after attention's residual add, per the
+    layer's ``transformers`` code (as in :func:`_post_attn_hook`): the stream is
+    ``residual + out`` with ``out`` attention's output (Llama family), its
+    ``post_attention_layernorm`` (Gemma 2/3, OLMo 2), or ``out · residual_multiplier``
+    (Granite, where the change is fed back divided by the multiplier)."""
+    layers = model.model.layers
+    normed = model.config.architectures[0] in _POST_ATTN_NORMED
+    mult = float(getattr(model.config, "residual_multiplier", 1.0) or 1.0)
     adds: dict[Site, torch.Tensor] = {}
     for site, vec in sites.items():
         p = _point(site)
@@ -206,7 +213,9 @@ def _point_hooks(
             p = ("post_attn", n)
             if p not in points:
                 return out
-            return (out[0] + steer(stash[n] + out[0], p), *out[1:])
+            if normed:  # the hook is on post_attention_layernorm: out is a tensor
+                return out + steer(stash[n] + out, p)
+            return (out[0] + steer(stash[n] + out[0] * mult, p) / mult, *out[1:])
 
         def block(mod: Any, args: tuple, out: Any, n: int = layer_no) -> Any:
             p = ("post_block", n)
@@ -217,7 +226,8 @@ def _point_hooks(
             return out + steer(out, p)
 
         handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(layer.self_attn.register_forward_hook(attn))
+        attn_out = layer.post_attention_layernorm if normed else layer.self_attn
+        handles.append(attn_out.register_forward_hook(attn))
         handles.append(layer.register_forward_hook(block))
     return handles
 

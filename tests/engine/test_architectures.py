@@ -40,6 +40,7 @@ from tests.engine.hf_reference import (
     MULTIRANK_SITES,
     PROMPT,
     TOL,
+    Clamp,
     Generation,
     Site,
     assert_matches,
@@ -241,6 +242,43 @@ def test_three_differently_steered_requests_in_one_batch(served: Served) -> None
                      reference(served.model, PROMPT, sites, phase, max_tokens=n))
         assert got.tokens == solo.tokens  # batching does not change any answer
     assert shows(batched[1], batched[0]) and shows(batched[2], batched[0])
+
+
+def _clamp_term(c: Clamp) -> dict:
+    term: dict = {"hook": c.site[0], "layers": {str(c.site[1]): [float(x) for x in c.direction]},
+                  "op": "clamp", "strength": c.strength}
+    if c.lo is not None:
+        term["min"] = c.lo
+    if c.hi is not None:
+        term["max"] = c.hi
+    return term
+
+
+@pytest.mark.parametrize("hook", HOOKS)
+def test_clamps_and_ablation_at_each_hook_match_reference(
+    served: Served, unsteered: Generation, hook: str
+) -> None:
+    """An add and a lifting clamp at layer 1, an ablation at the middle layer, a
+    one-sided half-strength clamp at layer 3, all at this hook: the clamp reference
+    hooks the stream per the layer's code (after Gemma's and OLMo 2's post-attention
+    norm, Granite's multiplier), and each clamp changes the answer on its own."""
+    s = NORM.get(served.architecture, 6.0) / 6.0  # bounds scale with the stream
+    adds = {(hook, 1): served.vector(41)}
+    clamps = [
+        Clamp((hook, 1), unit_vector(42), lo=2.0 * s, hi=4.0 * s),
+        Clamp((hook, MID), unit_vector(43), 0.0, 0.0),  # ablate
+        Clamp((hook, 3), unit_vector(44), None, -3.0 * s, strength=0.5),
+    ]
+    steering = steering_field(adds)
+    steering["vectors"] += [_clamp_term(c) for c in clamps]
+    got = engine_completion(served.engine, PROMPT, N, steering)[0]
+    want = reference(served.model, PROMPT, adds, max_tokens=N, clamps=clamps)
+    served.check(f"clamp/{hook}@1,{MID},3", got, want)
+    for i in range(len(clamps)):  # an engine that skipped any one clamp would fail
+        without = reference(served.model, PROMPT, adds, max_tokens=N,
+                            clamps=clamps[:i] + clamps[i + 1:])
+        assert shows(want, without), (hook, clamps[i].site)
+    assert shows(got, unsteered)
 
 
 def test_capture_of_every_hook_at_layer_0_and_the_middle_equals_reference(
