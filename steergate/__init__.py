@@ -8,6 +8,6 @@ subpackages, and each one's path is its import name:
 * ``steergate.shared`` (``steergate/shared/``): what both sides use (contract, errors, settings),
 * ``steergate.cli`` (``steergate/cli/``): the ``steergate`` command.
 
-Which of them an image holds is its choice (the gateway image has no ``engine/``); the
-extras in ``pyproject.toml`` name each side's dependencies.
+Which of them an image holds is its choice (the gateway image has no
+``steergate/engine/``); the extras in ``pyproject.toml`` name each side's dependencies.
 """

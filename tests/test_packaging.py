@@ -7,6 +7,7 @@ wheel (issue 24); an image that copies only some folders (the gateway image has 
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -90,14 +91,20 @@ def test_installing_the_wheel_adds_only_steergate(wheel: Path, tmp_path: Path) -
     )  # fmt: skip
     added = {p.name for p in site.iterdir()} - before
     assert {n for n in added if not n.endswith(".dist-info")} == {"steergate"}, added
-    # the package is importable as installed (not from this checkout) and has no
-    # path extension there: its folders are inside it
+    # the package is importable as installed (not from this checkout, whatever the test
+    # run's PYTHONPATH) and has no path extension there: its folders are inside it, and
+    # the data files are where the code looks for them
     out = subprocess.run(
         [py, "-c", "import steergate, steergate.cli as j; "
-         "print(steergate.__path__, j.__file__)"],
+         "print(steergate.__path__, j.__file__); "
+         "from importlib.resources import files; "
+         "print(files('steergate.gateway.store').joinpath('lua', 'admit_request.lua').is_file(), "
+         "files('steergate.gateway').joinpath('static', 'dashboard.html').is_file())"],
         check=True, capture_output=True, text=True, cwd=tmp_path,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
     ).stdout  # fmt: skip
     assert str(site / "steergate") in out and str(ROOT) not in out
+    assert out.splitlines()[-1] == "True True", out
 
 
 def test_an_image_without_engine_folder_builds_without_it(tmp_path: Path) -> None:
