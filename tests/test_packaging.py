@@ -78,16 +78,19 @@ def test_installing_the_wheel_adds_only_steergate(wheel: Path, tmp_path: Path) -
     env = tmp_path / "venv"
     venv.EnvBuilder(with_pip=True).create(env)
     py = env / "bin" / "python"
+    # the clean venv sees nothing of the test run's PYTHONPATH (a checkout on it would
+    # make pip think steergate is already installed, and the import find the checkout)
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     site = Path(
         subprocess.run(
             [py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-            check=True, capture_output=True, text=True,
+            check=True, capture_output=True, text=True, env=clean,
         ).stdout.strip()
     )  # fmt: skip
     before = {p.name for p in site.iterdir()}
     subprocess.run(
         [py, "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
-        check=True, capture_output=True, timeout=300,
+        check=True, capture_output=True, timeout=300, env=clean,
     )  # fmt: skip
     added = {p.name for p in site.iterdir()} - before
     assert {n for n in added if not n.endswith(".dist-info")} == {"steergate"}, added
@@ -100,8 +103,7 @@ def test_installing_the_wheel_adds_only_steergate(wheel: Path, tmp_path: Path) -
          "from importlib.resources import files; "
          "print(files('steergate.gateway.store').joinpath('lua', 'admit_request.lua').is_file(), "
          "files('steergate.gateway').joinpath('static', 'dashboard.html').is_file())"],
-        check=True, capture_output=True, text=True, cwd=tmp_path,
-        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+        check=True, capture_output=True, text=True, cwd=tmp_path, env=clean,
     ).stdout  # fmt: skip
     assert str(site / "steergate") in out and str(ROOT) not in out
     assert out.splitlines()[-1] == "True True", out
