@@ -1,5 +1,5 @@
 """The fused CUDA clamp kernel's arithmetic, checked on CPU with Triton's interpreter
-against the torch body (engine/worker/clamp.py ``torch_clamp``): equal to float32
+against the torch body (steergate/engine/worker/clamp.py ``torch_clamp``): equal to float32
 rounding (its dot products sum in another order), rows at slot 0 untouched bit for bit.
 
 The kernel runs in a child process: Triton's interpreter only interprets the language's

@@ -107,7 +107,7 @@ def apply(
     if table is None:
         return
     # Under torch.compile on CUDA the body is traced into the graph (as the add's is,
-    # engine/worker/op.py ``apply``): Inductor fuses the K steps into the neighbouring
+    # steergate/engine/worker/op.py ``apply``): Inductor fuses the K steps into the neighbouring
     # kernels instead of ~5K + 4 launches of the eager body at every point.
     if hidden.is_cuda and op.CUDA_COMPILED_BODY == "inductor" and torch.compiler.is_compiling():
         torch_clamp(hidden, residual, table.dirs, table.bounds, index)

@@ -66,7 +66,7 @@ def _steer_fake(hidden: torch.Tensor, table: torch.Tensor, index: torch.Tensor) 
 
 
 #: What a graph compiled on CUDA gets at each site (``STEERGATE_CUDA_COMPILED_STEER``,
-#: validated with the engine settings, shared/settings.py): ``"kernel"`` (default) keeps
+#: validated with the engine settings, steergate/shared/settings.py): ``"kernel"`` (default) keeps
 #: the opaque custom op, one fused Triton launch per site; ``"inductor"`` traces the
 #: torch body into the graph for Inductor to schedule with its neighbours. Measured on
 #: an H200 (docs/benchmarks.md): the kernel is cheaper for 1-token decode steps, Inductor
