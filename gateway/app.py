@@ -103,6 +103,7 @@ def build_services(
         engine_caps=pool.caps,
         on_deleted=on_tenant_deleted,
         refuse_overcommit=settings.refuse_overcommit,
+        scripts=scripts,
     )
     # Settlement is Redis work only: a latch Redis no longer holds is never bridged by an
     # engine (steergate_expect), and the engine sync deletes its copy.

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from steergate.gateway import keys
 from steergate.gateway.records import Tenant
-from steergate.gateway.scripts import Scripts, evalsha
+from steergate.gateway.scripts import AdmitRequest, Scripts
 from steergate.gateway.store import store_errors, store_unavailable
 from steergate.gateway.tracing import span
 from steergate.shared.errors import APIError
@@ -190,7 +190,7 @@ class Limiter:
         self.settler = settler
         self.deadline_s = redis_timeout_s + DEADLINE_SLACK_S if redis_timeout_s > 0 else 0.0
         #: A latch being stored that no live request has touched for this long was
-        #: abandoned (admit_request.lua, ARGV[17]); live ones are touched every TTL/2.
+        #: abandoned (``AdmitRequest.pending_horizon_ms``); live ones are touched every TTL/2.
         self.pending_horizon_ms = 2 * self.lease_ttl_ms
 
     @staticmethod
@@ -217,7 +217,6 @@ class Limiter:
         key_conc = (api_key.limits.max_concurrency or 0) if api_key else 0
         budget = lim.token_budget
         now_ms = int(time.time() * 1000)
-        minute = now_ms // 60000
         lease_id = self.new_lease_id()
         cost = min(tokens, lim.tpm)
         expiry_ms = now_ms + self.lease_ttl_ms
@@ -228,44 +227,37 @@ class Limiter:
         )
         # Leases of this tenant's finished requests, released by this same call.
         finished = self.settler.leases.take_finished(tenant.id) if self.settler else []
-        args = [
-            now_ms,
-            lim.rpm,
-            lim.tpm,
-            cost,
-            lim.max_concurrency,
-            lease_id,
-            expiry_ms,
-            conversation_id or "",
-            "1" if latch else "0",
-            latch_bytes,
-            latch_kind,
-            lim.latch_count,
-            lim.latch_bytes,
-            lim.latch_policy,
-            keys.USAGE_MINUTE_TTL_S,
-            deadline,
-            self.pending_horizon_ms,
-            key_id,
-            key_rpm,
-            key_conc,
-            budget.tokens if budget else 0,
-            budget.period if budget else "day",
-            period_left_ms(now_ms, budget.period) if budget else 0,
-            keys.USAGE_DAY_TTL_S,
-            len(vector_names or ()),
-            *(vector_names or ()),
-            len(finished),
-            *finished,
-        ]
+        call = AdmitRequest(
+            tenant_id=tenant.id,
+            now_ms=now_ms,
+            rpm=lim.rpm,
+            tpm=lim.tpm,
+            cost=cost,
+            max_concurrency=lim.max_concurrency,
+            lease_id=lease_id,
+            lease_expiry_ms=expiry_ms,
+            conversation_id=conversation_id or "",
+            store_latch=latch,
+            latch_bytes=latch_bytes,
+            latch_kind=latch_kind,
+            latch_count_quota=lim.latch_count,
+            latch_bytes_quota=lim.latch_bytes,
+            latch_policy=lim.latch_policy,
+            deadline_ms=deadline,
+            pending_horizon_ms=self.pending_horizon_ms,
+            key_id=key_id,
+            key_rpm=key_rpm,
+            key_concurrency=key_conc,
+            budget_tokens=budget.tokens if budget else 0,
+            budget_period=budget.period if budget else "day",
+            budget_left_ms=period_left_ms(now_ms, budget.period) if budget else 0,
+            vector_names=vector_names or (),
+            finished_leases=finished,
+        )
         try:
             async with store_errors():
                 with span("admission", tenant_id=tenant.id):
-                    r = await evalsha(
-                        self.scripts.admit_request,
-                        keys.admit_keys(tenant.id, minute, key_id),
-                        args,
-                    )
+                    r = await self.scripts.run(call)
         except APIError:
             if self.settler is not None:  # it may still run (a hung Redis replays it)
                 lost = Admission(
@@ -276,9 +268,7 @@ class Limiter:
             if not self.fail_open:
                 raise
             log.warning("rate-limit store unavailable: admitting UNMETERED (fail-open is set)")
-            return Admission(
-                tenant, lease_id, 0, conversation_id, False, "", [], unmetered=True
-            )
+            return Admission(tenant, lease_id, 0, conversation_id, False, "", [], unmetered=True)
         headers = _headers(tenant, r)
         names = list(vector_names or ())
         n_names = len(names)

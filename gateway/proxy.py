@@ -26,6 +26,7 @@ from steergate.gateway.deps import Services
 from steergate.gateway.engines import miss_code
 from steergate.gateway.limits import Admission
 from steergate.gateway.scoping import Head, Prepared
+from steergate.gateway.scripts import KeepLatch
 from steergate.gateway.store import store_errors
 from steergate.gateway.upstream import Engine, EngineUnreachable
 from steergate.shared.engine_api import EXPECT_FIELD, KEEP_STATES
@@ -173,9 +174,13 @@ class Turn:
         info = f"{spec.nbytes}:{spec.kind}:{spec.digest}"
         try:
             async with store_errors():
-                orphaned = await self.svc.scripts.keep_latch(
-                    keys=keys.latch_keys(self.tenant_id),
-                    args=[self.head.conversation_id, info, spec.encode()],
+                orphaned = await self.svc.scripts.run(
+                    KeepLatch(
+                        tenant_id=self.tenant_id,
+                        conversation_id=self.head.conversation_id,
+                        info=info,
+                        spec=spec.encode(),
+                    )
                 )
             if int(orphaned):
                 # A concurrent turn's quota eviction took it while this one ran: Redis

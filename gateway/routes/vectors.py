@@ -24,6 +24,7 @@ from steergate.gateway.accounting import Outcome
 from steergate.gateway.auth import TenantDep, caller_key
 from steergate.gateway.bodies import OFF_LOOP_BYTES, parse_body
 from steergate.gateway.deps import Services, ServicesDep
+from steergate.gateway.scripts import DropVector, PutVector
 from steergate.gateway.store import store_errors
 from steergate.shared.codecs import CodecError, decode_gguf_off_loop, encode_packed, vector_digest
 from steergate.shared.errors import APIError, InvalidField
@@ -117,9 +118,16 @@ async def store_vector(
         data["description"] = description
     body = orjson.dumps(data)
     async with store_errors():
-        status, prev = await svc.scripts.put_vector(
-            keys=keys.vector_keys(tenant_id),
-            args=[name, orjson.dumps(meta), nbytes, lim.vector_count, lim.vector_bytes, body],
+        status, prev = await svc.scripts.run(
+            PutVector(
+                tenant_id=tenant_id,
+                name=name,
+                meta=orjson.dumps(meta),
+                nbytes=nbytes,
+                count_quota=lim.vector_count,
+                bytes_quota=lim.vector_bytes,
+                data=body,
+            )
         )
     if int(status):
         raise _over_quota(lim)
@@ -191,7 +199,7 @@ def _public(meta: dict[str, Any], data: str | None) -> dict[str, Any]:
 async def delete_vector(name: str, tenant: TenantDep, svc: ServicesDep) -> Response:
     check_vector_name(name)
     async with store_errors():
-        removed = await svc.scripts.drop_vector(keys=keys.vector_keys(tenant.id), args=[name])
+        removed = await svc.scripts.run(DropVector(tenant_id=tenant.id, name=name))
     if not removed:
         raise _not_found(name)
     await svc.engines.delete_vector_everywhere(tenant.id, name)
