@@ -24,6 +24,7 @@ from typing import Any, ClassVar, Protocol
 from redis.exceptions import NoScriptError
 
 from steergate.gateway import keys as key_names
+from steergate.gateway.records import Limits
 from steergate.gateway.store import Redis
 
 LUA_DIR = Path(__file__).resolve().parent / "lua"
@@ -45,6 +46,36 @@ class LuaCall(Protocol):
     def argv(self) -> list[Any]: ...
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _LatchCall:
+    """A script over the tenant's latch ledger: KEYS ``keys.latch_keys``."""
+
+    tenant_id: str
+
+    def keys(self) -> Sequence[str]:
+        return key_names.latch_keys(self.tenant_id)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _VectorCall:
+    """A script over the tenant's vectors: KEYS ``keys.vector_keys``."""
+
+    tenant_id: str
+
+    def keys(self) -> Sequence[str]:
+        return key_names.vector_keys(self.tenant_id)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _KeyRecordCall:
+    """A script over the tenant's API keys: KEYS the key hash, then its last-use hash."""
+
+    tenant_id: str
+
+    def keys(self) -> Sequence[str]:
+        return [key_names.tenant_keys(self.tenant_id), key_names.key_last_used(self.tenant_id)]
+
+
 # -- admission and settlement (gateway/limits.py, gateway/accounting.py) ----------------
 
 
@@ -55,28 +86,23 @@ class AdmitRequest:
     script: ClassVar[str] = "admit_request"
     tenant_id: str
     now_ms: int
-    rpm: int
-    tpm: int
+    #: The tenant's limits: rpm, tpm, concurrency, latch quota and policy, token budget.
+    limits: Limits
     #: Tokens reserved (already capped at ``tpm``).
     cost: int
-    max_concurrency: int
     lease_id: str
     lease_expiry_ms: int
     conversation_id: str  # "" = none
     store_latch: bool
     latch_bytes: int
     latch_kind: str  # "value" | "ref"
-    latch_count_quota: int
-    latch_bytes_quota: int
-    latch_policy: str  # "evict_oldest" | "reject"
     #: In Redis's clock (ms); 0 = none.
     deadline_ms: int
     pending_horizon_ms: int
     key_id: str  # "" = none
     key_rpm: int  # 0 = none
     key_concurrency: int  # 0 = none
-    budget_tokens: int  # 0 = none
-    budget_period: str  # "day" | "month"
+    #: Until the token budget's period rolls over (0: no budget).
     budget_left_ms: int
     vector_names: Sequence[str] = ()
     #: Lease ids of this tenant's finished requests, released by this same call.
@@ -86,29 +112,30 @@ class AdmitRequest:
         return key_names.admit_keys(self.tenant_id, self.now_ms // 60000, self.key_id)
 
     def argv(self) -> list[Any]:
+        lim, budget = self.limits, self.limits.token_budget
         return [
             self.now_ms,
-            self.rpm,
-            self.tpm,
+            lim.rpm,
+            lim.tpm,
             self.cost,
-            self.max_concurrency,
+            lim.max_concurrency,
             self.lease_id,
             self.lease_expiry_ms,
             self.conversation_id,
             "1" if self.store_latch else "0",
             self.latch_bytes,
             self.latch_kind,
-            self.latch_count_quota,
-            self.latch_bytes_quota,
-            self.latch_policy,
+            lim.latch_count,
+            lim.latch_bytes,
+            lim.latch_policy,
             key_names.USAGE_MINUTE_TTL_S,
             self.deadline_ms,
             self.pending_horizon_ms,
             self.key_id,
             self.key_rpm,
             self.key_concurrency,
-            self.budget_tokens,
-            self.budget_period,
+            budget.tokens if budget else 0,
+            budget.period if budget else "day",
             self.budget_left_ms,
             key_names.USAGE_DAY_TTL_S,
             len(self.vector_names),
@@ -187,43 +214,34 @@ class RenewLeases:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class KeepLatch:
+class KeepLatch(_LatchCall):
     """keep_latch.lua: record the latch an engine has just stored."""
 
     script: ClassVar[str] = "keep_latch"
-    tenant_id: str
     conversation_id: str
     info: str  # "bytes:kind:digest"
     spec: str
-
-    def keys(self) -> Sequence[str]:
-        return key_names.latch_keys(self.tenant_id)
 
     def argv(self) -> list[Any]:
         return [self.conversation_id, self.info, self.spec]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class DropLatch:
+class DropLatch(_LatchCall):
     """drop_latch.lua: forget latches of a tenant."""
 
     script: ClassVar[str] = "drop_latch"
-    tenant_id: str
     conversation_ids: Sequence[str]
-
-    def keys(self) -> Sequence[str]:
-        return key_names.latch_keys(self.tenant_id)
 
     def argv(self) -> list[Any]:
         return list(self.conversation_ids)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class PutVector:
+class PutVector(_VectorCall):
     """put_vector.lua: store a named vector within the tenant's quota."""
 
     script: ClassVar[str] = "put_vector"
-    tenant_id: str
     name: str
     meta: bytes | str  # JSON metadata
     nbytes: int
@@ -231,23 +249,16 @@ class PutVector:
     bytes_quota: int
     data: bytes | str  # JSON body of the engine's vector PUT
 
-    def keys(self) -> Sequence[str]:
-        return key_names.vector_keys(self.tenant_id)
-
     def argv(self) -> list[Any]:
         return [self.name, self.meta, self.nbytes, self.count_quota, self.bytes_quota, self.data]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class DropVector:
+class DropVector(_VectorCall):
     """drop_vector.lua: forget a named vector."""
 
     script: ClassVar[str] = "drop_vector"
-    tenant_id: str
     name: str
-
-    def keys(self) -> Sequence[str]:
-        return key_names.vector_keys(self.tenant_id)
 
     def argv(self) -> list[Any]:
         return [self.name]
@@ -257,15 +268,11 @@ class DropVector:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class TakeKey:
+class TakeKey(_KeyRecordCall):
     """take_key.lua: take an API key record out (a revocation)."""
 
     script: ClassVar[str] = "take_key"
-    tenant_id: str
     key_id: str
-
-    def keys(self) -> Sequence[str]:
-        return [key_names.tenant_keys(self.tenant_id), key_names.key_last_used(self.tenant_id)]
 
     def argv(self) -> list[Any]:
         return [self.key_id]
@@ -289,16 +296,12 @@ class CasKey:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class RecordKeyUse:
+class RecordKeyUse(_KeyRecordCall):
     """record_key_use.lua: the last-use times of a tenant's keys, one replica's batch."""
 
     script: ClassVar[str] = "record_key_use"
-    tenant_id: str
     #: (key id, unix seconds) pairs.
     uses: Sequence[tuple[str, float]] = ()
-
-    def keys(self) -> Sequence[str]:
-        return [key_names.tenant_keys(self.tenant_id), key_names.key_last_used(self.tenant_id)]
 
     def argv(self) -> list[Any]:
         return [v for key_id, used in self.uses for v in (key_id, f"{used:.3f}")]

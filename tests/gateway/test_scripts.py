@@ -9,6 +9,7 @@ import fakeredis
 import pytest
 
 from steergate.gateway import keys
+from steergate.gateway.records import Limits
 from steergate.gateway.scripts import (
     CALLS,
     LUA_DIR,
@@ -42,26 +43,27 @@ def test_admit_request_puts_each_named_field_at_its_argv_position() -> None:
     call = AdmitRequest(
         tenant_id="acme",
         now_ms=120_000,
-        rpm=2,
-        tpm=3,
+        limits=Limits(
+            rpm=2,
+            tpm=3,
+            max_concurrency=5,
+            latch_count=12,
+            latch_bytes=13,
+            latch_policy="reject",
+            token_budget={"tokens": 21, "period": "month"},
+        ),
         cost=4,
-        max_concurrency=5,
         lease_id="lease",
         lease_expiry_ms=7,
         conversation_id="conv",
         store_latch=True,
         latch_bytes=10,
         latch_kind="value",
-        latch_count_quota=12,
-        latch_bytes_quota=13,
-        latch_policy="reject",
         deadline_ms=16,
         pending_horizon_ms=17,
         key_id="key",
         key_rpm=19,
         key_concurrency=20,
-        budget_tokens=21,
-        budget_period="month",
         budget_left_ms=23,
         vector_names=["a", "b"],
         finished_leases=["done"],
