@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from steergate.gateway import keys, openapi, tracing
+from steergate.gateway import keys, openapi, refusals, tracing
 from steergate.gateway.accounting import Settler
 from steergate.gateway.bodies import BodyParser
 from steergate.gateway.deps import Services
@@ -27,6 +27,7 @@ from steergate.gateway.limits import Limiter
 from steergate.gateway.metrics import Metrics
 from steergate.gateway.metrics_edge import MetricsMiddleware, record_rejection
 from steergate.gateway.middleware import BodyLimitMiddleware
+from steergate.gateway.refusals import Refused
 from steergate.gateway.routes import (
     admin,
     dashboard,
@@ -210,6 +211,8 @@ def _install_metrics(app: FastAPI) -> None:
 def _install_error_handlers(app: FastAPI) -> None:
     async def api_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, APIError)
+        if isinstance(exc, Refused):  # the metrics middleware counts it by cause
+            setattr(request.state, refusals.STATE_KEY, exc.refusal)
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     async def http_error(request: Request, exc: Exception) -> JSONResponse:

@@ -16,8 +16,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from steergate.gateway import keys
+from steergate.gateway import keys, refusals
 from steergate.gateway.records import Tenant
+from steergate.gateway.refusals import Refused
 from steergate.gateway.scripts import AdmitRequest, Scripts
 from steergate.gateway.store import store_errors, store_unavailable
 from steergate.gateway.tracing import span
@@ -36,36 +37,6 @@ LATE = 5
 #: Added to the Redis timeout for the deadline. An admission that runs inside the slack
 #: after its client gave up is released by its cancellation (``Settler.cancel``).
 DEADLINE_SLACK_S = 0.5
-
-_REJECTIONS = {
-    1: (
-        "rate_limit_exceeded",
-        "Rate limit reached for requests per minute ({limit}). Retry in {retry}.",
-    ),
-    2: (
-        "rate_limit_exceeded",
-        "Rate limit reached for tokens per minute ({limit}). Retry in {retry}.",
-    ),
-    3: ("concurrency_limit_exceeded", "Too many concurrent requests (limit {limit})."),
-    4: (
-        "latch_quota_exceeded",
-        "Storing this latch would exceed the tenant's latch quota; waiting does not help: "
-        "delete a latch (DELETE /v1/steering/latches/{{conversation_id}}) to make room.",
-    ),
-    6: (
-        "budget_exceeded",
-        "The tenant's token budget ({limit} tokens per {period}) is spent; it renews in "
-        "{retry} (UTC {period} start).",
-    ),
-    7: (
-        "rate_limit_exceeded",
-        "Rate limit reached for requests per minute of this API key ({limit}). Retry in {retry}.",
-    ),
-    8: (
-        "concurrency_limit_exceeded",
-        "Too many concurrent requests of this API key (limit {limit}).",
-    ),
-}
 
 
 def period_left_ms(now_ms: int, period: str) -> int:
@@ -312,31 +283,31 @@ def _rejection(
     headers: dict[str, str],
     key_rpm: int = 0,
     key_conc: int = 0,
-) -> APIError:
-    """The 429 for an admission refusal. Only a rate limit (GCRA) knows when it will
-    pass: it carries that exact time (``Retry-After`` / ``retry-after-ms``). The
-    concurrency limit passes when a running request ends (unknown: the client backs
-    off on its own), the latch quota never by waiting (``x-should-retry: false``);
-    the registry in ``shared/errors.py`` sets those headers from the code."""
-    code, template = _REJECTIONS[status]
+) -> Refused:
+    """The 429 for an admission refusal (``gateway/refusals.py``). Only a rate limit
+    (GCRA) knows when it will pass: it carries that exact time (``Retry-After`` /
+    ``retry-after-ms``). The concurrency limit passes when a running request ends
+    (unknown: the client backs off on its own), the latch quota never by waiting
+    (``x-should-retry: false``); the registry in ``shared/errors.py`` sets those
+    headers from the code. A budget passes when its period rolls over: Retry-After says
+    when, though x-should-retry is false (retrying sooner cannot help)."""
+    refusal = refusals.BY_STATUS[status]
     retry_ms = max(1, retry_ms)
     lim = tenant.limits
     budget = lim.token_budget
-    limit = {
-        1: lim.rpm,
-        2: lim.tpm,
-        3: lim.max_concurrency,
-        6: budget.tokens if budget else 0,
-        7: key_rpm,
-        8: key_conc,
-    }.get(status, 0)
-    period = budget.period if budget else "day"
-    message = template.format(limit=limit, retry=duration(retry_ms), period=period)
-    return APIError(
-        code,
-        message,
+    limits = {
+        "rpm": lim.rpm,
+        "tpm": lim.tpm,
+        "max_concurrency": lim.max_concurrency,
+        "token_budget": budget.tokens if budget else 0,
+        "key_rpm": key_rpm,
+        "key_max_concurrency": key_conc,
+    }
+    return Refused(
+        refusal,
         headers=headers,
-        # A budget passes when its period rolls over: Retry-After says when, though
-        # x-should-retry is false (the registry's: retrying sooner cannot help).
-        retry_after_ms=retry_ms if status in (1, 2, 6, 7) else None,
+        retry_after_ms=retry_ms if refusal.says_when else None,
+        limit=limits.get(refusal.limit, 0),
+        retry=duration(retry_ms),
+        period=budget.period if budget else "day",
     )

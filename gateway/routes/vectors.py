@@ -19,11 +19,12 @@ import numpy as np
 import orjson
 from fastapi import APIRouter, Request, Response
 
-from steergate.gateway import keys
+from steergate.gateway import keys, refusals
 from steergate.gateway.accounting import Outcome
 from steergate.gateway.auth import TenantDep, caller_key
 from steergate.gateway.bodies import OFF_LOOP_BYTES, parse_body
 from steergate.gateway.deps import Services, ServicesDep
+from steergate.gateway.refusals import Refused
 from steergate.gateway.scripts import DropVector, PutVector
 from steergate.gateway.store import store_errors
 from steergate.shared.codecs import CodecError, decode_gguf_off_loop, encode_packed, vector_digest
@@ -137,13 +138,7 @@ async def store_vector(
 
 
 def _over_quota(lim: Any) -> APIError:
-    return APIError(
-        "vector_quota_exceeded",
-        f"Storing this vector would exceed the tenant's vector quota "
-        f"({lim.vector_count} vectors, {lim.vector_bytes} bytes).",
-        # Waiting does not help: no Retry-After, and the SDKs' retries are told so.
-        headers={"x-should-retry": "false"},
-    )
+    return Refused(refusals.BY_CAUSE["vector"], limit=lim.vector_count, bytes=lim.vector_bytes)
 
 
 async def precheck_quota(svc: Services, tenant_id: str, lim: Any, name: str, nbytes: int) -> None:
