@@ -36,7 +36,7 @@ from typing import Any
 
 from redis.exceptions import NoScriptError, ResponseError
 
-from steergate.gateway.limits import Admission
+from steergate.gateway.admitted import Admission
 from steergate.gateway.scripts import RenewLeases, Scripts, SettleRequest, evalsha
 from steergate.gateway.store import Redis, is_cluster
 from steergate.gateway.tracing import span

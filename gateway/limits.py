@@ -13,10 +13,10 @@ import logging
 import math
 import secrets
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from steergate.gateway import keys, refusals
+from steergate.gateway.admitted import Admission
 from steergate.gateway.records import Tenant
 from steergate.gateway.refusals import Refused
 from steergate.gateway.scripts import AdmitRequest, Scripts
@@ -42,34 +42,6 @@ DEADLINE_SLACK_S = 0.5
 def period_left_ms(now_ms: int, period: str) -> int:
     """Milliseconds until the UTC day or calendar month after ``now_ms`` starts."""
     return keys.period_end_s(now_ms / 1000, period) * 1000 - now_ms
-
-
-@dataclass
-class Admission:
-    """An admitted request: what settlement and the response need."""
-
-    tenant: Tenant
-    lease_id: str
-    reserved_tokens: int
-    conversation_id: str | None
-    latch: bool
-    #: The conversation's ledger entry before this request ("bytes:kind[:digest]", "").
-    prev_latch: str
-    evicted: list[str]
-    headers: dict[str, str] = field(default_factory=dict)
-    unmetered: bool = False
-    #: Current content digest of each named vector the request uses ("" = no such vector).
-    vector_digests: dict[str, str] = field(default_factory=dict)
-    #: When the lease expires unless renewed (ms, this gateway's clock).
-    lease_expiry_ms: int = 0
-    #: The API key that made the request ("" for none): its rollups and its own limits.
-    key_id: str = ""
-
-    @property
-    def latch_digest(self) -> str:
-        """Digest of the latch Redis holds for the conversation ("" = none)."""
-        parts = self.prev_latch.split(":")
-        return parts[2] if len(parts) > 2 else ""
 
 
 def estimate_tokens(body: dict[str, Any]) -> int:

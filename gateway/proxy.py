@@ -22,9 +22,9 @@ from typing import Any
 import orjson
 
 from steergate.gateway import keys
+from steergate.gateway.admitted import Admission
 from steergate.gateway.deps import Services
 from steergate.gateway.engines import miss_code
-from steergate.gateway.limits import Admission
 from steergate.gateway.scoping import Head, Prepared
 from steergate.gateway.scripts import KeepLatch
 from steergate.gateway.store import store_errors

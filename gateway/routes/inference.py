@@ -24,10 +24,10 @@ from fastapi.routing import APIRoute
 from starlette.routing import request_response
 
 from steergate.gateway.accounting import Outcome
+from steergate.gateway.admitted import Admission
 from steergate.gateway.auth import caller_key, get_tenant
 from steergate.gateway.bodies import OFF_LOOP_BYTES, Parsed, parse_body
 from steergate.gateway.deps import Services, get_services
-from steergate.gateway.limits import Admission
 from steergate.gateway.proxy import Turn
 from steergate.gateway.scoping import Head, Prepared, prepare_inference, prescan, scrub
 from steergate.gateway.stream_meter import StreamMeter, prompt_estimate
@@ -41,7 +41,7 @@ from steergate.gateway.upstream import (
 from steergate.shared import engine_api
 from steergate.shared.capture import answer_bytes, check_up_front, parse_capture
 from steergate.shared.engine_api import LATCH_HEADER
-from steergate.shared.errors import APIError, InvalidField
+from steergate.shared.errors import APIError, InvalidField, render
 
 log = logging.getLogger("steergate.gateway.inference")
 
@@ -125,8 +125,9 @@ async def proxy_inference(request: Request, path: str) -> Response:
     head = prescan(body, svc.bodies.budget)
     if head.capture is not None and shape is not None:  # 400s before admission
         parse_capture(body["capture"], shape)
-        check_up_front(head.capture, body, path == engine_api.COMPLETIONS, shape.hidden_size,
-                       head.tokens)
+        check_up_front(
+            head.capture, body, path == engine_api.COMPLETIONS, shape.hidden_size, head.tokens
+        )
     adm = await svc.limiter.admit(
         tenant,
         tokens=head.tokens,
@@ -397,7 +398,7 @@ async def _stream(turn: Turn, on_capture: Callable[[Any], None]) -> Response:
         except UpstreamBroken:
             seen["status"] = 502
             err = APIError("engine_unavailable", "The inference engine failed mid-stream.")
-            yield b"data: " + orjson.dumps(err.body()) + b"\n\n"
+            yield b"data: " + render(err).body + b"\n\n"
         finally:
             await finish()
 

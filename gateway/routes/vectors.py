@@ -27,8 +27,9 @@ from steergate.gateway.deps import Services, ServicesDep
 from steergate.gateway.refusals import Refused
 from steergate.gateway.scripts import DropVector, PutVector
 from steergate.gateway.store import store_errors
-from steergate.shared.codecs import CodecError, decode_gguf_off_loop, encode_packed, vector_digest
+from steergate.shared.codecs import CodecError, encode_packed, vector_digest
 from steergate.shared.errors import APIError, InvalidField
+from steergate.shared.gguf import decode_gguf_off_loop
 from steergate.shared.scoping import check_vector_name
 from steergate.shared.steering import check_vectors, parse_vector_body
 
