@@ -42,7 +42,7 @@ class Refusal:
     limit: str
     #: The refusal knows when it lifts (a GCRA's exact time, a budget's next period):
     #: the 429 carries ``Retry-After``.
-    says_when: bool = False
+    says_when: bool
 
     @property
     def field(self) -> str:
@@ -58,14 +58,15 @@ class Refusal:
 # fmt: off
 REFUSALS: tuple[Refusal, ...] = (
     Refusal("rpm", "rate_limit_exceeded", 1,
-            "Rate limit reached for requests per minute ({limit}). Retry in {retry}.", "rpm"),
+            "Rate limit reached for requests per minute ({limit}). Retry in {retry}.", "rpm", True),
     Refusal("tpm", "rate_limit_exceeded", 2,
-            "Rate limit reached for tokens per minute ({limit}). Retry in {retry}.", "tpm"),
+            "Rate limit reached for tokens per minute ({limit}). Retry in {retry}.", "tpm", True),
     Refusal("concurrency", "concurrency_limit_exceeded", 3,
-            "Too many concurrent requests (limit {limit}).", "max_concurrency"),
+            "Too many concurrent requests (limit {limit}).", "max_concurrency", False),
     Refusal("latch", "latch_quota_exceeded", 4,
             "Storing this latch would exceed the tenant's latch quota; waiting does not help: "
-            "delete a latch (DELETE /v1/steering/latches/{{conversation_id}}) to make room.", ""),
+            "delete a latch (DELETE /v1/steering/latches/{{conversation_id}}) to make room.", "",
+            False),
     Refusal("budget", "budget_exceeded", 6,
             "The tenant's token budget ({limit} tokens per {period}) is spent; it renews in "
             "{retry} (UTC {period} start).", "token_budget", True),
@@ -74,10 +75,10 @@ REFUSALS: tuple[Refusal, ...] = (
             "Retry in {retry}.", "key_rpm", True),
     Refusal("key_concurrency", "concurrency_limit_exceeded", 8,
             "Too many concurrent requests of this API key (limit {limit}).",
-            "key_max_concurrency"),
+            "key_max_concurrency", False),
     Refusal("vector", "vector_quota_exceeded", 0,
             "Storing this vector would exceed the tenant's vector quota ({limit} vectors, "
-            "{bytes} bytes).", "vector_count"),
+            "{bytes} bytes).", "vector_count", False),
 )
 # fmt: on
 

@@ -57,6 +57,13 @@ def test_the_limiter_429_names_its_limit_and_says_when_only_if_known(refusal: Re
     assert ("retry-after" in exc.headers) == refusal.says_when
 
 
+def test_only_rate_limits_and_the_budget_say_when_they_lift() -> None:
+    """A GCRA knows its exact time, a budget its next period; concurrency and the latch
+    quota do not (the client backs off, or waiting cannot help)."""
+    says = {r.cause for r in REFUSALS if r.says_when}
+    assert says == {"rpm", "tpm", "key_rpm", "budget"}
+
+
 @pytest.mark.parametrize("refusal", REFUSALS, ids=lambda r: r.cause)
 def test_usage_counts_the_cause_under_its_code(refusal: Refusal) -> None:
     row = {refusal.field: "2", "429": "2"}
