@@ -23,11 +23,10 @@ import orjson
 
 from steergate.gateway import keys
 from steergate.gateway.admitted import Admission
-from steergate.gateway.deps import Services
-from steergate.gateway.engines import miss_code
+from steergate.gateway.engines import EngineClient, miss_code
 from steergate.gateway.scoping import Head, Prepared
-from steergate.gateway.scripts import KeepLatch
-from steergate.gateway.store import store_errors
+from steergate.gateway.scripts import KeepLatch, Scripts
+from steergate.gateway.store import Redis, store_errors
 from steergate.gateway.upstream import Engine, EngineUnreachable
 from steergate.shared.engine_api import EXPECT_FIELD, KEEP_STATES
 from steergate.shared.errors import APIError, InvalidField
@@ -42,7 +41,12 @@ MAX_INSTALLS = 3
 
 @dataclass
 class Turn:
-    svc: Services
+    """One inference turn on an engine: picks it, fills its cache on a miss, moves on
+    when it cannot be reached, and records a latch it stored."""
+
+    engines: EngineClient
+    redis: Redis
+    scripts: Scripts
     adm: Admission
     head: Head
     prep: Prepared
@@ -55,7 +59,7 @@ class Turn:
     _spec_text: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        self.engine = self.svc.engines.pick(self.prep.scoped_conversation_id)
+        self.engine = self.engines.pick(self.prep.scoped_conversation_id)
         self.expect = self._expectations()
 
     @property
@@ -86,7 +90,7 @@ class Turn:
 
     def failover(self) -> bool:
         """After ``EngineUnreachable``: move to the next healthy engine, if any."""
-        nxt = self.svc.engines.pick(self.prep.scoped_conversation_id)
+        nxt = self.engines.pick(self.prep.scoped_conversation_id)
         if nxt is self.engine or not nxt.healthy:
             return False
         self.engine = nxt
@@ -112,7 +116,7 @@ class Turn:
     async def _load_spec(self) -> str | None:
         if self._spec_text is None and self.head.conversation_id:
             async with store_errors():
-                self._spec_text = await self.svc.redis.hget(
+                self._spec_text = await self.redis.hget(
                     keys.latch_specs(self.tenant_id), self.head.conversation_id
                 )
         return self._spec_text
@@ -148,7 +152,7 @@ class Turn:
         if not names:
             return
         async with store_errors():
-            rows = await self.svc.redis.hmget(keys.vector_data(self.tenant_id), list(names))
+            rows = await self.redis.hmget(keys.vector_data(self.tenant_id), list(names))
         for name, data in zip(names, rows, strict=True):
             if data is None:
                 if name in latch_refs:
@@ -158,7 +162,7 @@ class Turn:
                 raise InvalidField(
                     "steering.vectors", f"no vector named '{name}'", code="unknown_vector"
                 )
-            await self.svc.engines.put_vector(self.engine, self.tenant_id, name, data.encode())
+            await self.engines.put_vector(self.engine, self.tenant_id, name, data.encode())
 
     async def _drop_stale_latch(self) -> None:
         self.expect["latch"] = ""
@@ -174,7 +178,7 @@ class Turn:
         info = f"{spec.nbytes}:{spec.kind}:{spec.digest}"
         try:
             async with store_errors():
-                orphaned = await self.svc.scripts.run(
+                orphaned = await self.scripts.run(
                     KeepLatch(
                         tenant_id=self.tenant_id,
                         conversation_id=self.head.conversation_id,
@@ -185,7 +189,7 @@ class Turn:
             if int(orphaned):
                 # A concurrent turn's quota eviction took it while this one ran: Redis
                 # holds no latch, so the engine's copy is never bridged; free its memory.
-                self.svc.engines.forget_latches_soon(self.tenant_id, [self.head.conversation_id])
+                self.engines.forget_latches_soon(self.tenant_id, [self.head.conversation_id])
         except APIError:
             # The engine holds it and the ledger counts it; only a restore elsewhere
             # is lost until the conversation latches again. Never fail the turn for it.

@@ -23,11 +23,11 @@ from fastapi.responses import StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.routing import request_response
 
-from steergate.gateway.accounting import Outcome
 from steergate.gateway.admitted import Admission
 from steergate.gateway.auth import caller_key, get_tenant
 from steergate.gateway.bodies import OFF_LOOP_BYTES, Parsed, parse_body
-from steergate.gateway.deps import Services, get_services
+from steergate.gateway.deps import get_services
+from steergate.gateway.metered import Admitted, admitted
 from steergate.gateway.proxy import Turn
 from steergate.gateway.scoping import Head, Prepared, prepare_inference, prescan, scrub
 from steergate.gateway.stream_meter import StreamMeter, prompt_estimate
@@ -128,7 +128,7 @@ async def proxy_inference(request: Request, path: str) -> Response:
         check_up_front(
             head.capture, body, path == engine_api.COMPLETIONS, shape.hidden_size, head.tokens
         )
-    adm = await svc.limiter.admit(
+    admission = svc.limiter.admit(
         tenant,
         tokens=head.tokens,
         conversation_id=head.conversation_id,
@@ -138,7 +138,8 @@ async def proxy_inference(request: Request, path: str) -> Response:
         vector_names=list(head.names),
         api_key=caller_key(request),
     )
-    try:
+    async with admitted(svc.settler, admission) as call:
+        adm = call.admission
         _check_names(head, adm)
         prep = _prepare(body, head, tenant, shape, adm, parsed)
         if is_responses and not client_stream_options:
@@ -146,20 +147,13 @@ async def proxy_inference(request: Request, path: str) -> Response:
             body.pop("stream_options", None)
         if adm.evicted:  # the engines' copies are harmless (never bridged) but use memory
             svc.engines.forget_latches_soon(tenant.id, adm.evicted)
-        turn = Turn(svc, adm, head, prep, body, path)
+        turn = Turn(svc.engines, svc.redis, svc.scripts, adm, head, prep, body, path)
         on_capture = _capture_meter(request, tenant.id, head)
         # A stream's span ends once the engine's answer has started (headers relayed).
         with span("proxy", tenant_id=tenant.id, stream=head.stream):
             if head.stream:
-                return await _stream(turn, on_capture)
-            return await _unary(turn, on_capture)
-    except APIError as exc:
-        _settle(svc, adm, exc.status, 0, None)
-        exc.headers = {**adm.headers, **exc.headers}
-        raise
-    except BaseException:
-        _settle(svc, adm, 0, 0, None)  # client went away: release the lease now
-        raise
+                return await _stream(turn, call, on_capture)
+            return await _unary(turn, call, on_capture)
 
 
 def _capture_meter(request: Request, tenant_id: str, head: Head) -> Callable[[Any], None]:
@@ -199,18 +193,6 @@ def _prepare(
     return prepare_inference(body, head, tenant, shape, adm.vector_digests, steering)
 
 
-def _settle(
-    svc: Services,
-    adm: Admission,
-    status: int,
-    tokens: int,
-    latch_state: str | None,
-    steered: bool = False,
-    prompt: int = -1,
-) -> None:
-    svc.settler.submit(Outcome(adm, status, tokens, latch_state, steered, prompt_tokens=prompt))
-
-
 def _latch_state(adm: Admission, engine_state: str | None) -> str:
     state = engine_state or "none"
     if adm.evicted and state in ("latched", "replaced"):
@@ -238,7 +220,7 @@ async def _send(turn: Turn) -> UpstreamResponse:
     attempt = 0
     while True:
         try:
-            r = await turn.svc.engines.complete(turn.engine, turn.path, turn.content())
+            r = await turn.engines.complete(turn.engine, turn.path, turn.content())
         except EngineUnreachable:
             if not turn.failover():
                 raise
@@ -248,8 +230,8 @@ async def _send(turn: Turn) -> UpstreamResponse:
         attempt += 1
 
 
-async def _unary(turn: Turn, on_capture: Callable[[Any], None]) -> Response:
-    svc, adm, prep = turn.svc, turn.adm, turn.prep
+async def _unary(turn: Turn, call: Admitted, on_capture: Callable[[Any], None]) -> Response:
+    adm, prep = turn.adm, turn.prep
     r = await _send(turn)
     tenant_id = adm.tenant.id
     ok = 200 <= r.status < 300
@@ -277,7 +259,7 @@ async def _unary(turn: Turn, on_capture: Callable[[Any], None]) -> Response:
                 )
                 doc["steering"] = {"applied": bool(applied), "latch": state}
                 body = orjson.dumps(doc)
-    _settle(svc, adm, r.status, tokens, engine_state, prep.steering is not None, prompt)
+    call.settle(r.status, tokens, engine_state, prep.steering is not None, prompt)
     headers = {**adm.headers, LATCH_HEADER: state}
     return Response(
         body,
@@ -322,7 +304,7 @@ async def _open_stream(turn: Turn) -> tuple[Any, UpstreamStream, bytes]:
     attempt = 0
     while True:
         content = turn.content()
-        cm = turn.svc.engines.stream(turn.engine, turn.path, content)
+        cm = turn.engines.stream(turn.engine, turn.path, content)
         try:
             up = await cm.__aenter__()
         except EngineUnreachable:
@@ -342,8 +324,8 @@ async def _open_stream(turn: Turn) -> tuple[Any, UpstreamStream, bytes]:
         attempt += 1
 
 
-async def _stream(turn: Turn, on_capture: Callable[[Any], None]) -> Response:
-    svc, adm, prep = turn.svc, turn.adm, turn.prep
+async def _stream(turn: Turn, call: Admitted, on_capture: Callable[[Any], None]) -> Response:
+    adm, prep = turn.adm, turn.prep
     cm, up, content = await _open_stream(turn)
     tenant_id = adm.tenant.id
     if up.status != 200:
@@ -353,7 +335,7 @@ async def _stream(turn: Turn, on_capture: Callable[[Any], None]) -> Response:
             raise APIError("engine_unavailable", "The inference engine is unavailable.") from exc
         finally:
             await cm.__aexit__(None, None, None)
-        _settle(svc, adm, up.status, 0, up.headers.get(LATCH_HEADER))
+        call.settle(up.status, 0, up.headers.get(LATCH_HEADER))
         return Response(
             scrub(data, tenant_id, error=True),
             status_code=up.status,
@@ -378,7 +360,7 @@ async def _stream(turn: Turn, on_capture: Callable[[Any], None]) -> Response:
         # The engine's latch decision arrived with the headers, before any body, so it
         # holds even if the stream later broke or the client left (status 0).
         tokens, prompt = meter.split(lambda: prompt_estimate(content))
-        _settle(svc, adm, seen["status"], tokens, engine_state, prep.steering is not None, prompt)
+        call.settle(seen["status"], tokens, engine_state, prep.steering is not None, prompt)
 
     async def relay() -> AsyncIterator[bytes]:
         buf = b""
@@ -408,6 +390,7 @@ async def _stream(turn: Turn, on_capture: Callable[[Any], None]) -> Response:
         "cache-control": "no-cache",
         "x-accel-buffering": "no",
     }
+    call.hand_off()  # settled by ``finish``, once the relay ends or the client leaves
     return _RelayResponse(
         relay(), status_code=200, headers=headers, media_type="text/event-stream", on_exit=finish
     )

@@ -20,10 +20,10 @@ import orjson
 from fastapi import APIRouter, Request, Response
 
 from steergate.gateway import keys, refusals
-from steergate.gateway.accounting import Outcome
 from steergate.gateway.auth import TenantDep, caller_key
 from steergate.gateway.bodies import OFF_LOOP_BYTES, parse_body
 from steergate.gateway.deps import Services, ServicesDep
+from steergate.gateway.metered import admitted
 from steergate.gateway.refusals import Refused
 from steergate.gateway.scripts import DropVector, PutVector
 from steergate.gateway.store import store_errors
@@ -52,17 +52,10 @@ def _not_found(name: str) -> APIError:
 @router.put("/v1/steering/vectors/{name}")
 async def put_vector(name: str, request: Request, tenant: TenantDep, svc: ServicesDep) -> Response:
     check_vector_name(name)
-    adm = await svc.limiter.admit_plain(tenant, caller_key(request))
-    status = 0
-    try:
+    async with admitted(svc.settler, svc.limiter.admit_plain(tenant, caller_key(request))) as call:
         response = await _put_vector(name, request, tenant.id, tenant.limits, svc)
-        status = response.status_code
+        call.settle(response.status_code)
         return response
-    except APIError as exc:
-        status = exc.status
-        raise
-    finally:
-        svc.settler.submit(Outcome(adm, status, 0, None))
 
 
 async def _put_vector(
