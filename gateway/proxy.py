@@ -27,7 +27,13 @@ from steergate.gateway.engines import EngineClient, miss_code
 from steergate.gateway.scoping import Head, Prepared
 from steergate.gateway.scripts import KeepLatch, Scripts
 from steergate.gateway.store import Redis, store_errors
-from steergate.gateway.upstream import Engine, EngineUnreachable
+from steergate.gateway.upstream import (
+    Engine,
+    EngineUnreachable,
+    UpstreamBroken,
+    UpstreamResponse,
+    UpstreamStream,
+)
 from steergate.shared.engine_api import EXPECT_FIELD, KEEP_STATES
 from steergate.shared.errors import APIError, InvalidField
 from steergate.shared.latch_spec import SpecError, decode_spec
@@ -37,6 +43,18 @@ log = logging.getLogger("steergate.gateway.proxy")
 
 #: Installs per turn: a latch restore, then its vectors, then one spare.
 MAX_INSTALLS = 3
+
+
+@dataclass
+class Replayed:
+    """An answer already read (a 409 that was not a cache miss), shaped like a stream."""
+
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    async def read(self) -> bytes:
+        return self.body
 
 
 @dataclass
@@ -169,6 +187,49 @@ class Turn:
         self.expect.pop("restore", None)
         self.state_override = "dropped_stale"
 
+    async def send(self) -> UpstreamResponse:
+        """The turn's unary exchange, filling the engine's cache on a miss and moving to
+        the next engine when one cannot be reached."""
+        attempt = 0
+        while True:
+            try:
+                r = await self.engines.complete(self.engine, self.path, self.content())
+            except EngineUnreachable:
+                if not self.failover():
+                    raise
+                continue
+            if not await self.handle_miss(r.status, r.body, attempt):
+                return r
+            attempt += 1
+
+    async def open_stream(self) -> tuple[Any, UpstreamStream, bytes]:
+        """The turn's stream, opened once the engine holds what the turn needs (a cache
+        miss is answered before any event, as a plain 409); returns (context, stream,
+        content sent). A non-200 answer comes back open, for the caller to relay."""
+        attempt = 0
+        while True:
+            content = self.content()
+            cm = self.engines.stream(self.engine, self.path, content)
+            try:
+                up = await cm.__aenter__()
+            except EngineUnreachable:
+                if not self.failover():
+                    raise
+                continue
+            if up.status != 409:
+                return cm, up, content
+            try:
+                data = await up.read()
+            except UpstreamBroken as exc:
+                await cm.__aexit__(None, None, None)
+                raise APIError(
+                    "engine_unavailable", "The inference engine is unavailable."
+                ) from exc
+            await cm.__aexit__(None, None, None)
+            if not await self.handle_miss(up.status, data, attempt):
+                return cm, Replayed(up.status, up.headers, data), content
+            attempt += 1
+
     async def keep_latch(self, engine_state: str | None) -> None:
         """Record the latch the engine just stored (digest and spec) before the client
         hears of it, so the conversation's next turn can restore it on any engine."""
@@ -196,4 +257,4 @@ class Turn:
             log.warning("could not record a latch spec (store unavailable)")
 
 
-__all__ = ["MAX_INSTALLS", "Turn", "EngineUnreachable"]
+__all__ = ["MAX_INSTALLS", "Replayed", "Turn", "EngineUnreachable"]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -33,10 +32,7 @@ from steergate.gateway.scoping import Head, Prepared, prepare_inference, prescan
 from steergate.gateway.stream_meter import StreamMeter, prompt_estimate
 from steergate.gateway.tracing import span
 from steergate.gateway.upstream import (
-    EngineUnreachable,
     UpstreamBroken,
-    UpstreamResponse,
-    UpstreamStream,
 )
 from steergate.shared import engine_api
 from steergate.shared.capture import answer_bytes, check_up_front, parse_capture
@@ -214,25 +210,9 @@ def _usage(doc: Any) -> tuple[int, int]:
     return -1, -1
 
 
-async def _send(turn: Turn) -> UpstreamResponse:
-    """The turn's unary exchange, filling the engine's cache on a miss and moving to the
-    next engine when one cannot be reached."""
-    attempt = 0
-    while True:
-        try:
-            r = await turn.engines.complete(turn.engine, turn.path, turn.content())
-        except EngineUnreachable:
-            if not turn.failover():
-                raise
-            continue
-        if not await turn.handle_miss(r.status, r.body, attempt):
-            return r
-        attempt += 1
-
-
 async def _unary(turn: Turn, call: Admitted, on_capture: Callable[[Any], None]) -> Response:
     adm, prep = turn.adm, turn.prep
-    r = await _send(turn)
+    r = await turn.send()
     tenant_id = adm.tenant.id
     ok = 200 <= r.status < 300
     body = scrub(r.body, tenant_id, error=not ok)
@@ -269,18 +249,6 @@ async def _unary(turn: Turn, call: Admitted, on_capture: Callable[[Any], None]) 
     )
 
 
-@dataclass
-class _Replayed:
-    """An answer already read (a 409 that was not a cache miss), shaped like a stream."""
-
-    status: int
-    headers: dict[str, str]
-    body: bytes
-
-    async def read(self) -> bytes:
-        return self.body
-
-
 class _RelayResponse(StreamingResponse):
     """A StreamingResponse that runs ``on_exit`` however it ends, even if the client
     left before the body iterator was ever started (whose own ``finally`` would then
@@ -297,36 +265,9 @@ class _RelayResponse(StreamingResponse):
             await self._on_exit()
 
 
-async def _open_stream(turn: Turn) -> tuple[Any, UpstreamStream, bytes]:
-    """The turn's stream, opened once the engine holds what the turn needs (a cache
-    miss is answered before any event, as a plain 409); returns (context, stream,
-    content sent). A non-200 answer comes back open, for the caller to relay."""
-    attempt = 0
-    while True:
-        content = turn.content()
-        cm = turn.engines.stream(turn.engine, turn.path, content)
-        try:
-            up = await cm.__aenter__()
-        except EngineUnreachable:
-            if not turn.failover():
-                raise
-            continue
-        if up.status != 409:
-            return cm, up, content
-        try:
-            data = await up.read()
-        except UpstreamBroken as exc:
-            await cm.__aexit__(None, None, None)
-            raise APIError("engine_unavailable", "The inference engine is unavailable.") from exc
-        await cm.__aexit__(None, None, None)
-        if not await turn.handle_miss(up.status, data, attempt):
-            return cm, _Replayed(up.status, up.headers, data), content
-        attempt += 1
-
-
 async def _stream(turn: Turn, call: Admitted, on_capture: Callable[[Any], None]) -> Response:
     adm, prep = turn.adm, turn.prep
-    cm, up, content = await _open_stream(turn)
+    cm, up, content = await turn.open_stream()
     tenant_id = adm.tenant.id
     if up.status != 200:
         try:
