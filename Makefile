@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed-$(ENGINE)
 .PHONY: install run test test-fast lint bench clean
 
 # The default model (SmolLM2-135M-Instruct) is fetched, checksummed and converted
-# into the user cache (engine/real_model.py), outside the checkout, so a fresh clone
+# into the user cache (steergate/engine/real_model.py), outside the checkout, so a fresh clone
 # reuses it. Not behind a stamp: the cache can be emptied while the venv stays, and
 # the module's own marker makes this step a 0.1 s no-op once done.
 install: $(STAMP)
@@ -38,7 +38,7 @@ test-fast: install
 	$(PY) -m pytest -m "not engine and not browser"
 
 lint: install
-	$(VENV)/bin/ruff check steergate shared engine gateway cli tests bench setup.py
+	$(VENV)/bin/ruff check steergate tests bench
 
 bench: install
 	$(PY) bench/gateway_overhead.py

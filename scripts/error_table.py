@@ -1,4 +1,4 @@
-"""docs/api.md's error table, generated from the registry in ``shared/errors.py``.
+"""docs/api.md's error table, generated from the registry in ``steergate/shared/errors.py``.
 
     python scripts/error_table.py            # print the table
     python scripts/error_table.py --write    # rewrite it in docs/api.md

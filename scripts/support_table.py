@@ -9,7 +9,7 @@ table and the results the engine tests record.
 max |Δlogprob| of each check against the float32 ``transformers`` reference) into
 ``$STEERGATE_TEST_CACHE/architectures/`` (default ``.cache/tests/architectures``).
 The table's architecture, vLLM class, layer convention and hooks columns come from
-``engine/worker/conventions.py``; ``tests/engine/test_support_table.py`` fails when
+``steergate/engine/worker/conventions.py``; ``tests/engine/test_support_table.py`` fails when
 they differ from it, or when a supported architecture has no measured row.
 """
 

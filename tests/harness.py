@@ -61,9 +61,10 @@ def aredis_client(url: str, **kwargs: object):  # -> redis.asyncio.Redis | Redis
 # The end-to-end, browser and CLI tests start what a user starts: the console script
 # ``steergate`` installed beside this interpreter, from a temporary folder outside the
 # checkout, without the test run's PYTHONPATH. From inside the checkout (pytest's cwd,
-# or the checkout on PYTHONPATH) top-level ``gateway``/``engine``/``shared`` packages are
-# importable, so a file found only through them works in tests and fails for every user
-# (issue 23: the dashboard read ``resources.files("gateway")``, a 500 once installed).
+# or the checkout on PYTHONPATH) everything in the source tree is importable, so a file
+# found only there works in tests and fails for every user (issue 23: the dashboard read
+# ``resources.files("gateway")``, a package that existed only in the checkout, a 500 once
+# installed).
 #
 # Which code the commands run: CI installs the clone under test (``make install``,
 # editable), so the installed package *is* this checkout and the child gets no
@@ -72,8 +73,8 @@ def aredis_client(url: str, **kwargs: object):  # -> redis.asyncio.Redis | Redis
 # other checkout's code, and putting this checkout on PYTHONPATH would hide the bug
 # again. So, only when the installed ``steergate`` is not this checkout's, the child's
 # PYTHONPATH is a temporary folder holding nothing but a ``steergate`` symlink to this
-# checkout's package: ``steergate.*`` resolves to this checkout (steergate/__init__.py
-# adds the folders beside it to the package path), and no top-level name does.
+# checkout's package: ``steergate.*`` resolves to this checkout's ``steergate/`` (path =
+# import name), and nothing else of the checkout (tests, bench, scripts) is importable.
 
 
 def steergate_bin() -> str:
@@ -276,7 +277,7 @@ def tiny_model_dir() -> Path:
 
 
 def real_model_dir() -> Path:
-    """SmolLM2-135M-Instruct, converted (see ``engine/real_model.py``): already in the
+    """SmolLM2-135M-Instruct, converted (see ``steergate/engine/real_model.py``): already in the
     user cache after ``make install``; fetched and converted here otherwise."""
     from steergate.engine.real_model import ensure_real_model
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from steergate.gateway.keyuse import FLUSH_INTERVAL_S
+from steergate.gateway.tenancy.key_last_use import FLUSH_INTERVAL_S
 from tests.gateway.conftest import ADMIN_KEY
 from tests.gateway.ops_env import Ops, bearer, installed_ops  # noqa: F401 - fixture
 from tests.harness import ROOT

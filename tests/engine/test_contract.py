@@ -112,7 +112,7 @@ def test_changed_v2_runner_makes_its_load_model_refuse(monkeypatch) -> None:
 
 class LlamaDecoderLayer(nn.Module):
     """Named and shaped like vLLM's, so the structural check of the Llama convention
-    passes (engine/worker/conventions.py)."""
+    passes (steergate/engine/worker/conventions.py)."""
 
     def __init__(self) -> None:
         super().__init__()

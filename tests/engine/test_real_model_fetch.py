@@ -1,4 +1,4 @@
-"""engine/real_model.py without the network or a conversion: the checksum pin is
+"""steergate/engine/real_model.py without the network or a conversion: the checksum pin is
 enforced, the marker decides what counts as converted, the wheel is fetched once."""
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ def _doc_rows() -> list[list[str]]:
 
 
 def test_support_table_lists_exactly_the_supported_architectures_and_conventions() -> None:
-    """Architecture, vLLM class, convention and hooks: as engine/worker/conventions.py
+    """Architecture, vLLM class, convention and hooks: as steergate/engine/worker/conventions.py
     says (regenerate with scripts/support_table.py --write after a test run)."""
     want = [_cells(r)[:4] for r in support_table.rows({})]
     assert [r[:4] for r in _doc_rows()] == want

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from steergate.gateway.app import create_app
-from steergate.gateway.tenants import TenantStore
+from steergate.gateway.tenancy.tenants import TenantStore
 from steergate.shared.settings import GatewaySettings
 from tests.gateway.servers import ServerThread
 from tests.gateway.stub_engine import StubEngine

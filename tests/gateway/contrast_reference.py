@@ -1,4 +1,4 @@
-"""The leave-one-out accuracy of gateway/contrast.py by its definition, with plain
+"""The leave-one-out accuracy of steergate/gateway/vectors/contrast.py by its definition, with plain
 loops (no shortcuts shared with the code it checks)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Issue 23, defect 2, as a load: tenant A sends maximal hostile steering bodies as
 fast as its limits let it while tenant B probes the same gateway process; B's latency
-with and without the attack is what ``test_hostile_bodies.py`` and
+with and without the attack is what ``tests/gateway/admission/test_hostile_bodies.py`` and
 ``bench/hostile_bodies.py`` report.
 
 The hostile bodies are what the issue found: about 7.8 MB of valid JSON whose

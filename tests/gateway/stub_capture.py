@@ -1,7 +1,7 @@
 """Activation capture for the stub engine (``stub_engine.py``), standing in for the
 workers only: the REAL endpoint plugin takes the ``capture`` field, puts its payload
 in ``vllm_xargs`` and builds the answer from the worker files; this module writes
-those files (``engine/capture_io.py``'s format) as a worker would, with a
+those files (``steergate/engine/capture_io.py``'s format) as a worker would, with a
 deterministic fake activation per (prompt, hook, layer, reduce). A prompt mentioning
 "ocean" is pushed along the first axis by ``layer + 1``: a planted concept direction,
 so ``from-examples`` can be tested end to end without a model. Only ``tokens:

@@ -10,8 +10,8 @@ import httpx
 
 from steergate.gateway.app import create_app
 from tests.gateway.conftest import FakeEngine, gateway_settings, make_tenant
+from tests.gateway.routes.test_request_path import CHAT, chat_body, inline, post
 from tests.gateway.servers import ServerThread
-from tests.gateway.test_request_path import CHAT, chat_body, inline, post
 from tests.harness import redis_client
 
 

@@ -1,5 +1,5 @@
 """One error vocabulary: every code the gateway, the engine or shared code raises is in
-the registry (``shared/errors.py``), every registered code is used somewhere, and
+the registry (``steergate/shared/errors.py``), every registered code is used somewhere, and
 docs/api.md's table is the registry's (``scripts/error_table.py``)."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from scripts import error_table
 from steergate.shared import errors
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCES = sorted(p for d in ("gateway", "engine", "shared") for p in (ROOT / d).rglob("*.py"))
+PACKAGE = ROOT / "steergate"
+SOURCES = sorted(p for d in ("gateway", "engine", "shared") for p in (PACKAGE / d).rglob("*.py"))
 #: Calls that take an error code, and where: (positional index, keyword).
 CODE_ARGS = {
     "APIError": (0, "code"),
@@ -53,7 +54,8 @@ def test_every_raised_code_is_registered() -> None:
         code = _code_of(call)
         if isinstance(code, ast.Constant) and code.value not in errors.REGISTRY:
             unknown.append(f"{path.relative_to(ROOT)}:{call.lineno}: {code.value!r}")
-    assert not unknown, "codes raised but not in shared/errors.py REGISTRY:\n" + "\n".join(unknown)
+    where = "codes raised but not in steergate/shared/errors.py REGISTRY:\n"
+    assert not unknown, where + "\n".join(unknown)
 
 
 def test_the_status_comes_from_the_registry_not_the_caller() -> None:
@@ -80,7 +82,7 @@ def test_every_registered_code_is_used_somewhere() -> None:
     for path in SOURCES:
         tree = ast.parse(path.read_text(), str(path))
         skip: set[int] = set()
-        if path == ROOT / "shared" / "errors.py":
+        if path == PACKAGE / "shared" / "errors.py":
             for node in ast.walk(tree):
                 if isinstance(node, ast.Assign) and any(
                     getattr(t, "id", "") == "_CODES" for t in node.targets

@@ -1,4 +1,4 @@
-"""The bounded GGUF reader (shared/gguf.py): hostile files are refused fast and by
+"""The bounded GGUF reader (steergate/shared/gguf.py): hostile files are refused fast and by
 name, before anything proportional to their claims is allocated; valid control
 vectors decode exactly as the ``gguf`` package's reader decodes them."""
 

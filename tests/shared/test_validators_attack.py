@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 from steergate.engine.http.rewrite import _conversation_id as engine_conversation_id
 from steergate.engine.http.routes import _vector_name as engine_vector_name
-from steergate.gateway.apikeys import generate_key, looks_like_key
-from steergate.gateway.http1 import HTTPError, InvalidRequestTarget, check_target
-from steergate.gateway.units import parse_bytes
+from steergate.gateway.admission.units import parse_bytes
+from steergate.gateway.engines.http1 import HTTPError, InvalidRequestTarget, check_target
+from steergate.gateway.tenancy.api_keys import generate_key, looks_like_key
 from steergate.shared.errors import APIError
 from steergate.shared.scoping import (
     CONVERSATION_ID_RE,

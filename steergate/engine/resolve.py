@@ -1,0 +1,208 @@
+"""Turn a request's ``steering`` + ``conversation_id`` into the sites a turn is steered
+with, applying the contract's latch semantics against the controller.
+
+Every path sums in one fixed order (inline terms in request order, then named terms
+in request order), so a bridged turn produces bit-identical sites -- and therefore
+the same payload digest, the same cache salt and the same output -- as the turn that
+stored the latch. Pure (numpy only); the HTTP layer calls :func:`resolve_turn`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from steergate.engine.latch import Latch, LatchController, RefTerm, Site
+from steergate.engine.registry import VectorRegistry
+from steergate.shared.clamp import (
+    DEFAULT_MAX_CLAMPS_PER_SITE,
+    ClampItem,
+    Resolved,
+    check_per_point,
+    unit,
+    value_resolved,
+)
+from steergate.shared.engine_api import LatchState
+from steergate.shared.errors import APIError, InvalidField
+from steergate.shared.latch_spec import LatchSpec, accumulate, clamp_items, sum_inline
+from steergate.shared.steering import InlineTerm, NamedTerm, SteeringRequest, check_sites_finite
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """What one turn does: its latch state (the header value) and the summed sites.
+    Empty ``sites`` means the turn is not steered."""
+
+    state: LatchState
+    phase: str = "all"
+    sites: dict[Site, np.ndarray] = field(default_factory=dict)
+    clamps: tuple[Resolved, ...] = ()  # in the order they apply (steergate/shared/clamp.py)
+
+    @property
+    def applied(self) -> bool:
+        return bool(self.sites or self.clamps)
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What the gateway (the system of record) says this engine must hold for the
+    turn; see ``shared.engine_api.EXPECT_FIELD``. Absent for direct callers, which
+    keep the single-tenant behaviour (unknown names are 400s, missing latches ``none``)."""
+
+    vectors: Mapping[str, str] = field(default_factory=dict)
+    latch: str | None = None
+    restore: LatchSpec | None = None
+
+
+def cache_miss(code: str, what: str) -> APIError:
+    """409 ``vector_missing`` / ``latch_missing``: this engine's cache lacks state the
+    gateway holds. Raised before anything changes; the gateway installs and retries."""
+    return APIError(code, f"this engine does not hold the {what}; install it and retry")
+
+
+def resolve_turn(
+    steering: SteeringRequest | None,
+    conversation_id: str | None,
+    registry: VectorRegistry,
+    controller: LatchController,
+    expect: Expect | None = None,
+    max_clamps: int = DEFAULT_MAX_CLAMPS_PER_SITE,
+) -> Resolution:
+    """Raises :class:`InvalidField` (or a 409 cache miss) before any latch changes, so
+    a rejected request never stores, replaces or drops a latch."""
+    if steering is None:
+        if conversation_id is None:
+            return Resolution("none")
+        if expect is not None and expect.restore is not None:
+            return _restore(expect.restore, conversation_id, registry, controller, max_clamps)
+        if expect is not None and expect.latch == "":
+            # The system of record holds no latch (never stored, evicted by the tenant's
+            # quota, deleted): a copy cached here must not steer this turn.
+            controller.delete(conversation_id)
+            return Resolution("none")
+        if expect is not None and expect.latch is not None:
+            held = controller.get(conversation_id)
+            if held is None or held.digest != expect.latch:
+                raise cache_miss("latch_missing", "conversation's latch")
+            _require_vectors((name for name, _ in held.named()), registry)
+        used, latch = controller.use(conversation_id, registry.digest_of)
+        if latch is None:
+            return Resolution(used)
+        clamps = resolve_clamps(latch.clamps, registry)
+        check_per_point(clamps, max_clamps)
+        return Resolution(
+            used, latch.phase, combine(latch.value_sites, latch.refs, registry), clamps
+        )
+
+    if steering.latch and conversation_id is None:
+        raise InvalidField(
+            "steering.latch",
+            "'steering.latch' needs a 'conversation_id'",
+            code="latch_without_conversation_id",
+        )
+    value_sites = sum_inline(t for t in steering.terms if isinstance(t, InlineTerm))
+    refs = _refs(steering, registry, expect)
+    sites = combine(value_sites, refs, registry)
+    check_sites_finite(sites)  # each term finite, their sum or a named term's may not be
+    items = clamp_items(steering.terms, lambda t: _ref_digest(t, registry, expect))
+    clamps = resolve_clamps(items, registry)
+    check_per_point(clamps, max_clamps)
+    state: LatchState = "none"
+    if steering.latch and conversation_id is not None:
+        state = controller.store(conversation_id, Latch(steering.phase, value_sites, refs, items))
+    return Resolution(state, steering.phase, sites, clamps)
+
+
+def resolve_clamps(items: Iterable[ClampItem], registry: VectorRegistry) -> tuple[Resolved, ...]:
+    """Clamp terms -> one clamp per site, in order: a named vector's layers ascending,
+    each direction normalised from the vector's current content (callers checked its
+    digest)."""
+    out: list[Resolved] = []
+    for item in items:
+        if item.ref is None:
+            out.extend(value_resolved(item))
+            continue
+        vector = registry.get(item.ref[0])
+        if vector is None:  # pragma: no cover - excluded by the callers' digest check
+            raise KeyError(item.ref[0])
+        for layer in sorted(vector.layers):
+            direction = unit(vector.layers[layer], "steering.vectors")
+            out.append(Resolved((vector.hook, int(layer)), direction, item.bounds))
+    return tuple(out)
+
+
+def combine(
+    value_sites: Mapping[Site, np.ndarray], refs: Iterable[RefTerm], registry: VectorRegistry
+) -> dict[Site, np.ndarray]:
+    """Value sites plus every named term's current vector times its scale.
+
+    Callers have checked each ref's digest against the registry (stored refs in
+    :meth:`LatchController.use`, fresh ones in :func:`_refs`), so the data read here
+    is the content the digest names.
+    """
+    sites = {site: np.array(vec, dtype=np.float32, copy=True) for site, vec in value_sites.items()}
+    for ref in refs:
+        vector = registry.get(ref.name)
+        if vector is None:  # pragma: no cover - excluded by the callers' digest check
+            raise KeyError(ref.name)
+        scale = np.float32(ref.scale)
+        for layer, vec in vector.layers.items():
+            accumulate(sites, (vector.hook, int(layer)), vec, scale)
+    return sites
+
+
+def _restore(
+    spec: LatchSpec,
+    conversation_id: str,
+    registry: VectorRegistry,
+    controller: LatchController,
+    max_clamps: int = DEFAULT_MAX_CLAMPS_PER_SITE,
+) -> Resolution:
+    """Install the gateway's copy of the conversation's latch, then bridge with it.
+    A by-reference term whose vector now has other content makes it stale, exactly as
+    :meth:`LatchController.use` would have found."""
+    latch = Latch.from_spec(spec)
+    _require_vectors((name for name, _ in latch.named()), registry)
+    if any(registry.digest_of(name) != digest for name, digest in latch.named()):
+        controller.delete(conversation_id)
+        return Resolution("dropped_stale")
+    # Stored under the engine's own caps (it may evict other cached latches, never
+    # lose them: Redis keeps them). One too large to keep still steers this turn.
+    clamps = resolve_clamps(latch.clamps, registry)
+    check_per_point(clamps, max_clamps)
+    controller.store(conversation_id, latch)
+    sites = combine(latch.value_sites, latch.refs, registry)
+    return Resolution("restored", latch.phase, sites, clamps)
+
+
+def _require_vectors(names: Iterable[str], registry: VectorRegistry) -> None:
+    if any(registry.get(name) is None for name in names):
+        raise cache_miss("vector_missing", "named vectors of this turn")
+
+
+def _refs(
+    steering: SteeringRequest, registry: VectorRegistry, expect: Expect | None = None
+) -> tuple[RefTerm, ...]:
+    refs = []
+    for term in steering.terms:
+        if not isinstance(term, NamedTerm) or term.clamp is not None:
+            continue
+        refs.append(RefTerm(term.name, _ref_digest(term, registry, expect)[1], term.scale))
+    return tuple(refs)
+
+
+def _ref_digest(
+    term: NamedTerm, registry: VectorRegistry, expect: Expect | None
+) -> tuple[str, str]:
+    """(name, current digest) of a named term; a 409 if the gateway expects other
+    content, a 400 if this engine has no such vector."""
+    digest = registry.digest_of(term.name)
+    if expect is not None and term.name in expect.vectors:
+        if digest != expect.vectors[term.name]:
+            raise cache_miss("vector_missing", "named vectors of this turn")
+    if digest is None:
+        param = f"steering.vectors[{term.index}].name"
+        raise InvalidField(param, f"'{param}': no vector with this name", code="unknown_vector")
+    return term.name, digest

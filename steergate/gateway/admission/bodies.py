@@ -1,0 +1,169 @@
+"""Large inference and vector-upload bodies parsed and validated in worker processes,
+one at a time per tenant, so that one tenant's bodies never hold the event loop that
+serves the others.
+
+Why processes: parsing JSON builds a Python object per number (orjson: ~50 ms for a
+7.8 MB body of short numbers), and neither orjson nor numpy's list conversion releases
+the GIL, so a worker *thread* holds the event loop for just as long (issue 23: another
+tenant's p95 went from 5 ms to 0.2–2 s). In a worker process that time is spent on
+another core, or at worst shared by the OS scheduler, never in the loop's thread.
+
+What comes back is small to unpickle: the body (its strings are copied, not parsed)
+and the validated :class:`SteeringRequest` (numpy arrays, copied as bytes); inline
+arrays that reach the pickle are bounded by the :class:`InlineBudget`, because the
+worker refuses larger ones first. Errors come back as (param, message, code).
+
+Why per tenant: a bounded pool shared by every tenant would let one tenant's queue
+of large bodies delay another's; with one parse in flight per tenant (per gateway
+process), a tenant that sends many large bodies waits for its own.
+
+See docs/gateway.md ("Large bodies") for the measurements behind this.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+from collections.abc import AsyncIterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from steergate.gateway.admission.request_scoping import InlineBudget, prescan
+from steergate.shared.errors import APIError, InvalidField
+from steergate.shared.jsondepth import check_json_depth
+from steergate.shared.steering import (
+    ModelShape,
+    SteeringRequest,
+    parse_steering,
+    parse_vector_body,
+)
+
+log = logging.getLogger("steergate.gateway.bodies")
+
+#: Bodies up to this size are parsed on the event loop: at most ~1 ms of orjson, and
+#: their inline steering (bounded by the budget) converts in about as long. Larger
+#: ones go to a worker process (a round trip costs ~2 ms plus ~1 ms per MB copied).
+OFF_LOOP_BYTES = 256 * 1024
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """A body parsed off the loop; ``steering`` is validated against the shape given."""
+
+    body: dict[str, Any]
+    steering: SteeringRequest | None
+    shape: ModelShape | None
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """The contract's JSON object checks (depth, syntax, object), for any route."""
+    check_json_depth(raw)  # 1,000-deep JSON parses, then 500s in orjson.dumps
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidField("body", "The request body is not valid JSON.", "invalid_json") from exc
+    if not isinstance(body, dict):
+        raise InvalidField("body", "The request body must be a JSON object.", "invalid_json")
+    return body
+
+
+def parse_in_worker(raw: bytes, shape: ModelShape | None, budget: InlineBudget) -> tuple[Any, ...]:
+    """Run in a worker process: ``("ok", body, steering)`` or ``("error", param,
+    message, code)`` (exceptions with their own ``__init__`` do not unpickle)."""
+    try:
+        body = parse_body(raw)
+        steering = None
+        if body.get("steering") is not None:
+            prescan(body, budget)  # the inline budget, from lengths, before any conversion
+            steering = parse_steering(body["steering"], shape)
+        return ("ok", body, steering)
+    except APIError as exc:
+        return ("error", exc.param, exc.message, exc.code)
+
+
+def vector_in_worker(raw: bytes, shape: ModelShape | None) -> tuple[Any, ...]:
+    """A vector upload's JSON body (``parse_vector_body``) in a worker process:
+    ``("ok", hook, layers, description)`` or the error as in :func:`parse_in_worker`."""
+    try:
+        return ("ok", *parse_vector_body(parse_body(raw), shape))
+    except APIError as exc:
+        return ("error", exc.param, exc.message, exc.code)
+
+
+@dataclass
+class _Turn:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: int = 0
+
+
+class BodyParser:
+    """The worker processes (owned by the app's lifespan) and the per-tenant turns."""
+
+    def __init__(self, workers: int, budget: InlineBudget) -> None:
+        self.workers = workers
+        self.budget = budget
+        self._pool: ProcessPoolExecutor | None = None
+        self._turns: dict[str, _Turn] = {}
+
+    def start(self) -> None:
+        # spawn, not fork: the gateway process has threads (the executor's, Redis's).
+        spawn = multiprocessing.get_context("spawn")
+        self._pool = ProcessPoolExecutor(self.workers, mp_context=spawn)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    async def parse(self, raw: bytes, tenant_id: str, shape: ModelShape | None) -> Parsed:
+        """Parse and validate ``raw`` in a worker once this tenant's earlier large
+        bodies are done; raises the contract's 400 for what the worker refused."""
+        result = await self._call(tenant_id, parse_in_worker, raw, shape, self.budget)
+        return Parsed(result[0], result[1], shape)
+
+    async def parse_vector(
+        self, raw: bytes, tenant_id: str, shape: ModelShape | None
+    ) -> tuple[str, dict[int, Any], str | None]:
+        """A vector upload's ``(hook, layers, description)``, parsed the same way."""
+        hook, layers, description = await self._call(tenant_id, vector_in_worker, raw, shape)
+        return hook, layers, description
+
+    async def _call(self, tenant_id: str, fn: Any, *args: Any) -> tuple[Any, ...]:
+        async with self._turn(tenant_id):
+            result = await self._run(fn, *args)
+        if result[0] == "error":
+            _, param, message, code = result
+            raise InvalidField(param, message, code)
+        return tuple(result[1:])
+
+    async def _run(self, fn: Any, *args: Any) -> tuple[Any, ...]:
+        if not self.workers:  # configured off: on the event loop (measured in the docs)
+            return fn(*args)  # type: ignore[no-any-return]
+        if self._pool is None:
+            self.start()
+        assert self._pool is not None
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._pool, fn, *args)
+        except BrokenProcessPool as exc:  # a worker died (killed, out of memory)
+            log.error("body parser pool broken; starting a new one")
+            self.close()
+            raise APIError("internal_error", "The request body could not be parsed.") from exc
+
+    @contextlib.asynccontextmanager
+    async def _turn(self, tenant_id: str) -> AsyncIterator[None]:
+        turn = self._turns.setdefault(tenant_id, _Turn())
+        turn.users += 1
+        try:
+            async with turn.lock:
+                yield
+        finally:
+            turn.users -= 1
+            if not turn.users:
+                del self._turns[tenant_id]

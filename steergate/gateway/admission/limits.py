@@ -1,0 +1,286 @@
+"""Admission: one Lua call decides concurrency, requests/min, tokens/min and the
+latch quota for a request, and returns everything the response headers need.
+
+Token reservation: the prompt is estimated at one token per 4 characters (the usual
+English average) plus ``max_tokens`` (``max_completion_tokens``; 256 when absent),
+capped at the tenant's tpm so a single large request is admissible when the bucket
+is full. Settlement later corrects the reservation to the engine's ``usage``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+import time
+from typing import TYPE_CHECKING, Any
+
+from steergate.gateway.admission import refusals
+from steergate.gateway.admission.admitted import Admission
+from steergate.gateway.admission.refusals import Refused
+from steergate.gateway.edge.tracing import span
+from steergate.gateway.store import key_names as keys
+from steergate.gateway.store.connection import store_errors, store_unavailable
+from steergate.gateway.store.scripts import AdmitRequest, Scripts
+from steergate.gateway.tenancy.records import Tenant
+from steergate.shared.errors import APIError
+
+if TYPE_CHECKING:
+    from steergate.gateway.admission.settlement import Settler
+    from steergate.gateway.tenancy.records import ApiKey
+
+log = logging.getLogger("steergate.gateway.limits")
+
+DEFAULT_COMPLETION_RESERVE = 256
+CHARS_PER_TOKEN = 4
+#: admit_request.lua's status for an admission that ran after its deadline.
+LATE = 5
+#: Added to the Redis timeout for the deadline. An admission that runs inside the slack
+#: after its client gave up is released by its cancellation (``Settler.cancel``).
+DEADLINE_SLACK_S = 0.5
+
+
+def period_left_ms(now_ms: int, period: str) -> int:
+    """Milliseconds until the UTC day or calendar month after ``now_ms`` starts."""
+    return keys.period_end_s(now_ms / 1000, period) * 1000 - now_ms
+
+
+def estimate_tokens(body: dict[str, Any]) -> int:
+    """Prompt estimate + completion budget (see module docstring)."""
+    chars = 0
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        chars += len(prompt)
+    elif isinstance(prompt, list):
+        chars += sum(
+            len(p) if isinstance(p, str) else 4 * len(p) if isinstance(p, list) else 4
+            for p in prompt
+        )
+    for text in (body.get("input"), body.get("instructions")):  # the Responses API
+        if isinstance(text, str):
+            chars += len(text)
+    messages = body.get("messages")
+    if isinstance(body.get("input"), list):  # Responses API input items read like messages
+        messages = body["input"]
+    for msg in messages if isinstance(messages, list) else []:
+        content = msg.get("content") if isinstance(msg, dict) else None
+        if isinstance(content, str):
+            chars += len(content)
+        elif isinstance(content, list):
+            chars += sum(
+                len(str(part.get("text", ""))) for part in content if isinstance(part, dict)
+            )
+    budget = body.get(
+        "max_completion_tokens", body.get("max_tokens", body.get("max_output_tokens"))
+    )
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+        budget = DEFAULT_COMPLETION_RESERVE
+    n = body.get("n", 1)
+    n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+    steering = body.get("steering")
+    if isinstance(steering, dict) and steering.get("compare") is True:
+        # steering.compare: the engine runs the request twice (steergate/engine/http/compare.py)
+        return 2 * (math.ceil(chars / CHARS_PER_TOKEN) + budget * n)
+    return math.ceil(chars / CHARS_PER_TOKEN) + budget * n
+
+
+def duration(ms: float) -> str:
+    """OpenAI's reset format: "20ms", "1s", "1.5s", "6m0s", "1h2m3s"."""
+    ms = max(0, int(math.ceil(ms)))
+    if ms < 1000:
+        return f"{ms}ms"
+    if ms < 60_000:
+        return f"{round(ms / 1000, 3):g}s"
+    s = ms // 1000
+    h, rest = divmod(s, 3600)
+    m, sec = divmod(rest, 60)
+    return f"{h}h{m}m{sec}s" if h else f"{m}m{sec}s"
+
+
+def _headers(tenant: Tenant, r: list[Any]) -> dict[str, str]:
+    lim = tenant.limits
+    return {
+        "x-ratelimit-limit-requests": str(lim.rpm),
+        "x-ratelimit-remaining-requests": str(max(0, int(r[2]))),
+        "x-ratelimit-reset-requests": duration(int(r[3])),
+        "x-ratelimit-limit-tokens": str(lim.tpm),
+        "x-ratelimit-remaining-tokens": str(max(0, int(r[4]))),
+        "x-ratelimit-reset-tokens": duration(int(r[5])),
+    }
+
+
+class Limiter:
+    """Runs admit_request.lua; raises 429 (with Retry-After) or 503 store_unavailable.
+
+    With a ``settler`` (the app always has one), an admitted lease is renewed while its
+    request runs (``accounting.Leases``), an admission whose answer never came is
+    cancelled, and each admission carries a deadline (``redis_timeout_s`` after it was
+    sent, when its client gives up, plus ``DEADLINE_SLACK_S`` for event-loop delays and
+    the clock offset's error) after which admit_request.lua refuses it without writing
+    anything."""
+
+    def __init__(
+        self,
+        scripts: Scripts,
+        *,
+        lease_ttl_s: float = 30.0,
+        fail_open: bool = False,
+        settler: Settler | None = None,
+        redis_timeout_s: float = 0.0,
+    ) -> None:
+        self.scripts = scripts
+        self.lease_ttl_ms = int(lease_ttl_s * 1000)
+        self.fail_open = fail_open
+        self.settler = settler
+        self.deadline_s = redis_timeout_s + DEADLINE_SLACK_S if redis_timeout_s > 0 else 0.0
+        #: A latch being stored that no live request has touched for this long was
+        #: abandoned (``AdmitRequest.pending_horizon_ms``); live ones are touched every TTL/2.
+        self.pending_horizon_ms = 2 * self.lease_ttl_ms
+
+    @staticmethod
+    def new_lease_id() -> str:
+        return secrets.token_hex(8)
+
+    async def admit(
+        self,
+        tenant: Tenant,
+        *,
+        tokens: int,
+        conversation_id: str | None,
+        latch: bool,
+        latch_bytes: int,
+        latch_kind: str,
+        vector_names: list[str] | None = None,
+        api_key: ApiKey | None = None,
+    ) -> Admission:
+        """``api_key``: the caller's key (``auth.caller_key``): its id, and its own
+        ``limits.rpm`` / ``limits.max_concurrency`` (None: the tenant's only)."""
+        lim = tenant.limits
+        key_id = api_key.key_id if api_key else ""
+        key_rpm = (api_key.limits.rpm or 0) if api_key else 0
+        key_conc = (api_key.limits.max_concurrency or 0) if api_key else 0
+        budget = lim.token_budget
+        now_ms = int(time.time() * 1000)
+        lease_id = self.new_lease_id()
+        cost = min(tokens, lim.tpm)
+        expiry_ms = now_ms + self.lease_ttl_ms
+        deadline = (
+            self.settler.leases.deadline(now_ms, self.deadline_s)
+            if self.settler is not None and self.deadline_s > 0
+            else 0
+        )
+        # Leases of this tenant's finished requests, released by this same call.
+        finished = self.settler.leases.take_finished(tenant.id) if self.settler else []
+        call = AdmitRequest(
+            tenant_id=tenant.id,
+            now_ms=now_ms,
+            limits=lim,
+            cost=cost,
+            lease_id=lease_id,
+            lease_expiry_ms=expiry_ms,
+            conversation_id=conversation_id or "",
+            store_latch=latch,
+            latch_bytes=latch_bytes,
+            latch_kind=latch_kind,
+            deadline_ms=deadline,
+            pending_horizon_ms=self.pending_horizon_ms,
+            key_id=key_id,
+            key_rpm=key_rpm,
+            key_concurrency=key_conc,
+            budget_left_ms=period_left_ms(now_ms, budget.period) if budget else 0,
+            vector_names=vector_names or (),
+            finished_leases=finished,
+        )
+        try:
+            async with store_errors():
+                with span("admission", tenant_id=tenant.id):
+                    r = await self.scripts.run(call)
+        except APIError:
+            if self.settler is not None:  # it may still run (a hung Redis replays it)
+                lost = Admission(
+                    tenant, lease_id, cost, None, False, "", [],
+                    lease_expiry_ms=expiry_ms, key_id=key_id,
+                )  # fmt: skip
+                self.settler.cancel(lost)
+            if not self.fail_open:
+                raise
+            log.warning("rate-limit store unavailable: admitting UNMETERED (fail-open is set)")
+            return Admission(tenant, lease_id, 0, conversation_id, False, "", [], unmetered=True)
+        headers = _headers(tenant, r)
+        names = list(vector_names or ())
+        n_names = len(names)
+        status = int(r[0])
+        if status == LATE:  # only a retried send can see this: its client timed out
+            raise store_unavailable()
+        if status:
+            raise _rejection(status, tenant, int(r[1]), headers, key_rpm, key_conc)
+        adm = Admission(
+            tenant=tenant,
+            lease_id=lease_id,
+            reserved_tokens=cost,
+            conversation_id=conversation_id,
+            latch=latch,
+            prev_latch=str(r[6] or ""),
+            evicted=[str(v) for v in r[7 + n_names :]],
+            headers=headers,
+            vector_digests={
+                n: str(d or "") for n, d in zip(names, r[7 : 7 + n_names], strict=True)
+            },
+            lease_expiry_ms=expiry_ms,
+            key_id=key_id,
+        )
+        if self.settler is not None:
+            self.settler.leases.hold(adm)
+            self.settler.redis_answered()
+        return adm
+
+    async def admit_plain(self, tenant: Tenant, api_key: ApiKey | None) -> Admission:
+        """A request that is not inference (a vector upload, the model list, the
+        tokenizer): one request against requests/min and concurrency, no tokens, no
+        latch."""
+        return await self.admit(
+            tenant,
+            tokens=0,
+            conversation_id=None,
+            latch=False,
+            latch_bytes=0,
+            latch_kind="ref",
+            api_key=api_key,
+        )
+
+
+def _rejection(
+    status: int,
+    tenant: Tenant,
+    retry_ms: int,
+    headers: dict[str, str],
+    key_rpm: int = 0,
+    key_conc: int = 0,
+) -> Refused:
+    """The 429 for an admission refusal (``gateway/refusals.py``). Only a rate limit
+    (GCRA) knows when it will pass: it carries that exact time (``Retry-After`` /
+    ``retry-after-ms``). The concurrency limit passes when a running request ends
+    (unknown: the client backs off on its own), the latch quota never by waiting
+    (``x-should-retry: false``); the registry in ``shared/errors.py`` sets those
+    headers from the code. A budget passes when its period rolls over: Retry-After says
+    when, though x-should-retry is false (retrying sooner cannot help)."""
+    refusal = refusals.BY_STATUS[status]
+    retry_ms = max(1, retry_ms)
+    lim = tenant.limits
+    budget = lim.token_budget
+    limits = {
+        "rpm": lim.rpm,
+        "tpm": lim.tpm,
+        "max_concurrency": lim.max_concurrency,
+        "token_budget": budget.tokens if budget else 0,
+        "key_rpm": key_rpm,
+        "key_max_concurrency": key_conc,
+    }
+    return Refused(
+        refusal,
+        headers=headers,
+        retry_after_ms=retry_ms if refusal.says_when else None,
+        limit=limits.get(refusal.limit, 0),
+        retry=duration(retry_ms),
+        period=budget.period if budget else "day",
+    )

@@ -1,0 +1,275 @@
+"""Scoping: a request body's client ids become tenant-scoped ids, and what comes back
+loses them again.
+
+Two passes, either side of admission, so that nothing proportional to the body's
+vector data runs before the request is admitted (and counted):
+
+- :func:`prescan` reads what admission needs from the body's structure alone: the
+  conversation id, the named vectors, whether a latch is stored and how many
+  (hook, layer) sites it keeps, the token estimate. Every identifier is validated in
+  full here. Bounded work: at most ``MAX_TERMS`` terms and ``MAX_SITES`` sites each.
+  It also refuses steering with more inline (JSON array) numbers than an
+  :class:`InlineBudget` allows, from the arrays' lengths alone: what one request may
+  make the gateway convert is bounded before any of it is converted.
+- :func:`prepare_inference` then validates the steering values against the model,
+  rewrites ids to ``<tenant>~<id>``, combines the tenant's secret cache salt with the
+  client's (so one tenant can never share another's prefix cache, whatever salt it
+  sends), and builds the spec of a latch to store (what Redis keeps to restore it).
+
+:func:`scrub` removes scoped forms from anything the engine answers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from steergate.gateway.admission.limits import estimate_tokens
+from steergate.gateway.tenancy.records import Tenant
+from steergate.shared.capture import CaptureSpec, parse_capture
+from steergate.shared.errors import InvalidField
+from steergate.shared.latch_spec import LatchSpec, clamp_items, sum_inline
+from steergate.shared.scoping import check_conversation_id, check_vector_name, scope
+from steergate.shared.settings import GatewaySettings
+from steergate.shared.steering import (
+    FLOAT32_BYTES,
+    MAX_TERMS,
+    InlineTerm,
+    ModelShape,
+    NamedTerm,
+    SteeringRequest,
+    parse_steering,
+)
+
+_ANY_SCOPE = re.compile(rb"[a-z0-9-]{1,32}~(?=[A-Za-z0-9._:@-])")
+#: Layers one inline term may name (far above any model's layer count; a bound on the
+#: prescan's work, not a model check: that comes after admission).
+MAX_SITES = 1024
+
+
+@dataclass(frozen=True)
+class InlineBudget:
+    """Inline steering numbers one term / one request may carry (``STEERGATE_MAX_INLINE_
+    FLOATS_PER_*``). Larger steering travels as ``packed`` (decoded by numpy from one
+    string) or as a named vector; the defaults fit a model of hidden size 8192 at 4
+    layers per term and 8 per request."""
+
+    per_term: int = GatewaySettings.model_fields["max_inline_floats_per_term"].default
+    per_request: int = GatewaySettings.model_fields["max_inline_floats_per_request"].default
+
+    @classmethod
+    def of(cls, settings: GatewaySettings) -> InlineBudget:
+        return cls(settings.max_inline_floats_per_term, settings.max_inline_floats_per_request)
+
+
+@dataclass(frozen=True)
+class Head:
+    """What admission needs, read without touching vector data."""
+
+    conversation_id: str | None
+    names: tuple[str, ...]  # the named vectors used, client form, first-use order
+    steered: bool  # the request carries its own ``steering``
+    latch: bool
+    latch_sites: int  # distinct inline (hook, layer) sites a by-value latch keeps
+    stream: bool
+    tokens: int
+    #: ``capture``, structure checked (sites bounded); layers and bytes are checked
+    #: against the model's shape before admission too (routes/inference.py).
+    capture: CaptureSpec | None = None
+
+    def latch_bytes(self, shape: ModelShape | None) -> int:
+        # Without a known shape the engine still enforces its caps; the keep step
+        # records the exact size once the engine has stored the latch.
+        return FLOAT32_BYTES * shape.hidden_size * self.latch_sites if shape else 0
+
+    @property
+    def latch_kind(self) -> str:
+        return "value" if self.latch_sites else "ref"
+
+
+@dataclass(frozen=True)
+class Prepared:
+    scoped_conversation_id: str | None
+    steering: SteeringRequest | None
+    spec: LatchSpec | None  # the latch this turn asks to store
+    include_usage: bool  # the client asked for the usage chunk itself
+
+
+def prescan(body: dict[str, Any], budget: InlineBudget = InlineBudget()) -> Head:
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise InvalidField("stream", "'stream' must be a boolean")
+    conv = None
+    if body.get("conversation_id") is not None:
+        conv = check_conversation_id(body["conversation_id"])
+    raw = body.get("steering")
+    names: dict[str, None] = {}
+    sites: set[tuple[Any, Any]] = set()
+    latch = False
+    if raw is not None:
+        if not isinstance(raw, dict):
+            raise InvalidField("steering", "'steering' must be an object")
+        latch = raw.get("latch", False) is True
+        vectors = raw.get("vectors", [])
+        if not isinstance(vectors, list):
+            raise InvalidField("steering.vectors", "'steering.vectors' must be an array")
+        if len(vectors) > MAX_TERMS:
+            raise InvalidField(
+                "steering.vectors",
+                f"'steering.vectors' has {len(vectors)} terms; at most {MAX_TERMS} are allowed",
+            )
+        inline = 0
+        for i, term in enumerate(vectors):
+            param = f"steering.vectors[{i}]"
+            if not isinstance(term, dict):
+                raise InvalidField(param, f"'{param}' must be an object")
+            if "name" in term:
+                names[check_vector_name(term["name"], f"{param}.name")] = None
+            else:
+                hook = term.get("hook")
+                hook = hook if isinstance(hook, str) else repr(hook)  # malformed: named later
+                sites.update((hook, layer) for layer in _term_layers(term, param))
+                inline += _check_inline_floats(term, param, inline, budget)
+        if latch and conv is None:
+            raise InvalidField(
+                "steering.latch",
+                "'steering.latch' needs a 'conversation_id'",
+                code="latch_without_conversation_id",
+            )
+    capture = parse_capture(body["capture"], None) if body.get("capture") is not None else None
+    return Head(
+        capture=capture,
+        conversation_id=conv,
+        names=tuple(names),
+        steered=raw is not None,
+        latch=latch,
+        latch_sites=len(sites) if latch else 0,
+        stream=stream,
+        tokens=estimate_tokens(body),
+    )
+
+
+def _term_layers(term: dict[str, Any], param: str) -> list[Any]:
+    """The layer keys of an inline term, bounded; values are checked after admission."""
+    if isinstance(term.get("layers"), dict):
+        layers = list(term["layers"])
+    elif isinstance(term.get("packed"), dict) and isinstance(
+        term["packed"].get("layer_indices"), list
+    ):
+        layers = term["packed"]["layer_indices"]
+    else:
+        return []  # malformed: parse_steering names the field after admission
+    if len(layers) > MAX_SITES:
+        raise InvalidField(param, f"'{param}' names {len(layers)} layers; at most {MAX_SITES}")
+    return [_layer_key(layer) for layer in layers]
+
+
+def _check_inline_floats(
+    term: dict[str, Any], param: str, before: int, budget: InlineBudget
+) -> int:
+    """The numbers in an inline term's arrays (read from their lengths: at most
+    ``MAX_SITES`` of them, checked first), refused past the term's or the request's
+    budget; returns the count."""
+    layers = term.get("layers")
+    if not isinstance(layers, dict):
+        return 0
+    count = sum(len(v) for v in layers.values() if isinstance(v, list))
+    if count > budget.per_term or before + count > budget.per_request:
+        where = (
+            f"at most {budget.per_term:,} per term"
+            if count > budget.per_term
+            else f"at most {budget.per_request:,} per request ({before:,} in earlier terms)"
+        )
+        raise InvalidField(
+            f"{param}.layers",
+            f"'{param}.layers' holds {count:,} numbers as JSON arrays; {where} are accepted "
+            "inline. Send larger steering as 'packed' (base64, see docs/api.md) or register "
+            "it once as a named vector (PUT /v1/steering/vectors/{name}) and send its name.",
+            code="steering_too_large",
+        )
+    return count
+
+
+def _layer_key(layer: Any) -> Any:
+    """``"2"`` (a ``layers`` key) and ``2`` (a ``packed`` index) are the same site."""
+    if isinstance(layer, str) and layer.isascii() and layer.isdigit():
+        return int(layer)
+    return layer if isinstance(layer, (int, str)) else repr(layer)
+
+
+def prepare_inference(
+    body: dict[str, Any],
+    head: Head,
+    tenant: Tenant,
+    shape: ModelShape | None,
+    vector_digests: dict[str, str],
+    parsed: SteeringRequest | None = None,
+) -> Prepared:
+    """Validate the steering values and rewrite ``body`` in place for the engine.
+    ``parsed``: the body's steering, already validated against ``shape`` (large
+    bodies are, in a worker process: ``steergate/gateway/admission/bodies.py``)."""
+    conv = head.conversation_id
+    if conv is not None:
+        body["conversation_id"] = scope(tenant.id, conv)
+    steering = None
+    spec = None
+    if body.get("steering") is not None:
+        steering = parsed if parsed is not None else parse_steering(body["steering"], shape)
+        for term in body["steering"].get("vectors", []):
+            if "name" in term:
+                term["name"] = scope(tenant.id, term["name"])
+        if steering.latch:
+            spec = latch_spec(steering, tenant.id, vector_digests)
+    include_usage = False
+    if head.stream:
+        opts = body.get("stream_options")
+        if opts is not None and not isinstance(opts, dict):
+            raise InvalidField("stream_options", "'stream_options' must be an object")
+        include_usage = bool((opts or {}).get("include_usage"))
+        body["stream_options"] = {**(opts or {}), "include_usage": True}
+    salt = body.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise InvalidField("cache_salt", "'cache_salt' must be a string")
+    body["cache_salt"] = combined_salt(tenant, salt)
+    return Prepared(
+        scope(tenant.id, conv) if conv else None,
+        steering,
+        spec,
+        include_usage,
+    )
+
+
+def latch_spec(
+    steering: SteeringRequest, tenant_id: str, vector_digests: dict[str, str]
+) -> LatchSpec:
+    """The latch the engine stores for this turn, as the engine builds it (same sums,
+    same order, engine-side names), so both compute the same digest."""
+    sites = sum_inline(t for t in steering.terms if isinstance(t, InlineTerm))
+    refs = tuple(
+        (scope(tenant_id, t.name), vector_digests.get(t.name, ""), t.scale)
+        for t in steering.terms
+        if isinstance(t, NamedTerm) and t.clamp is None
+    )
+    clamps = clamp_items(
+        steering.terms, lambda t: (scope(tenant_id, t.name), vector_digests.get(t.name, ""))
+    )
+    return LatchSpec(steering.phase, sites, refs, clamps)
+
+
+def combined_salt(tenant: Tenant, client_salt: str | None) -> str:
+    """The tenant's secret salt always participates; the client's only adds to it."""
+    h = hashlib.sha256(tenant.cache_salt.get_secret_value().encode())
+    if client_salt:
+        h.update(b"\0" + client_salt.encode())
+    return h.hexdigest()
+
+
+def scrub(data: bytes, tenant_id: str, *, error: bool = False) -> bytes:
+    """Remove scoped forms. Success bodies: only this tenant's prefix before an id
+    (generated text is otherwise left alone); error bodies: any scope prefix."""
+    if error:
+        return _ANY_SCOPE.sub(b"", data)
+    marker = f"{tenant_id}~".encode()
+    return data.replace(marker, b"") if marker in data else data

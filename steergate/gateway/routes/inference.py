@@ -1,0 +1,381 @@
+"""``POST /v1/chat/completions``, ``POST /v1/completions`` and ``POST /v1/responses``.
+
+The request path, top to bottom: auth (``auth.get_tenant``) -> scoping
+(``scoping.prescan``: ids, names, latch size) -> limits (one admit_request.lua call)
+-> scoping again (``scoping.prepare_inference``: vector values, scoped ids) -> proxy
+(``proxy.Turn``: the engine call, its cache filled from Redis on a miss) ->
+accounting (``accounting.Settler``, queued). The engine's JSON is passed through
+byte for byte unless the gateway must change it (scoped ids scrubbed, ``steering``
+filled in, ``evicted_quota``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import StreamingResponse
+from fastapi.routing import APIRoute
+from starlette.routing import request_response
+
+from steergate.gateway.admission.admitted import Admission
+from steergate.gateway.admission.bodies import OFF_LOOP_BYTES, Parsed, parse_body
+from steergate.gateway.admission.metered import Admitted, admitted
+from steergate.gateway.admission.request_scoping import (
+    Head,
+    Prepared,
+    prepare_inference,
+    prescan,
+    scrub,
+)
+from steergate.gateway.admission.stream_meter import StreamMeter, prompt_estimate
+from steergate.gateway.deps import get_services
+from steergate.gateway.edge.tracing import span
+from steergate.gateway.engines.proxy import Turn
+from steergate.gateway.engines.upstream import (
+    UpstreamBroken,
+)
+from steergate.gateway.tenancy.auth import caller_key, get_tenant
+from steergate.shared import engine_api
+from steergate.shared.capture import answer_bytes, check_up_front, parse_capture
+from steergate.shared.engine_api import LATCH_HEADER
+from steergate.shared.errors import APIError, InvalidField, render
+
+log = logging.getLogger("steergate.gateway.inference")
+
+
+class PlainRoute(APIRoute):
+    """Listed in the OpenAPI schema like any route, but served as a plain Starlette
+    endpoint: FastAPI's per-request dependency solving and response validation cost
+    more than the rest of the gateway's own work on this, the hot path. The endpoints
+    take only the request and do auth themselves (the same ``get_tenant``)."""
+
+    def __init__(self, path: str, endpoint: Callable[..., Any], **kw: Any) -> None:
+        super().__init__(path, endpoint, **kw)
+        self.app = request_response(endpoint)
+
+
+router = APIRouter(tags=["inference"], route_class=PlainRoute)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    return await proxy_inference(request, "/v1/chat/completions")
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    return await proxy_inference(request, "/v1/completions")
+
+
+@router.post("/v1/responses")
+async def responses(request: Request) -> Response:
+    """The Responses API: the same auth, scoping, limits, accounting and ``steering`` /
+    ``conversation_id`` fields as chat. Conversation state lives in latches, not in
+    stored responses (see :func:`_responses_body`)."""
+    return await proxy_inference(request, engine_api.RESPONSES)
+
+
+#: Responses API fields that would reach state vLLM keeps per process, not per tenant.
+RESPONSES_UNSUPPORTED = ("previous_response_id", "background")
+
+
+def _responses_body(body: dict[str, Any]) -> None:
+    """vLLM's response store is one dict per engine process, shared by every tenant
+    and lost on restart: a ``previous_response_id`` could name another tenant's
+    response. So nothing is stored (``store`` is forced off) and the fields that need
+    the store are refused; ``conversation_id`` + a latch carry a conversation instead."""
+    for field in RESPONSES_UNSUPPORTED:
+        if body.get(field) not in (None, False):
+            raise InvalidField(
+                field,
+                f"'{field}' is not supported by this gateway; send the conversation's "
+                "input with each request (and 'conversation_id' to keep its steering)",
+                "unsupported_parameter",
+            )
+    body["store"] = False
+
+
+async def read_json_object(request: Request) -> dict[str, Any]:
+    """A JSON body for `/tokenize` and `/detokenize` (inference and vector uploads go
+    through `steergate/gateway/admission/bodies.py`). The thread does not free the loop while
+    orjson runs; these bodies carry no steering."""
+    raw = await request.body()
+    if len(raw) > OFF_LOOP_BYTES:
+        return await asyncio.to_thread(parse_body, raw)
+    return parse_body(raw)
+
+
+async def proxy_inference(request: Request, path: str) -> Response:
+    tenant = await get_tenant(request)
+    svc = get_services(request)
+    shape = svc.engines.shape()
+    raw = await request.body()
+    # A large body is parsed and its steering validated in a worker process, after this
+    # tenant's earlier large bodies (steergate/gateway/admission/bodies.py): never on this
+    # event loop.
+    parsed = await svc.bodies.parse(raw, tenant.id, shape) if len(raw) > OFF_LOOP_BYTES else None
+    body = parsed.body if parsed else parse_body(raw)
+    is_responses = path == engine_api.RESPONSES
+    if is_responses:
+        _responses_body(body)
+    client_stream_options = "stream_options" in body
+    # Ids validated in full and the inline budget checked; no vector data converted yet.
+    head = prescan(body, svc.bodies.budget)
+    if head.capture is not None and shape is not None:  # 400s before admission
+        parse_capture(body["capture"], shape)
+        check_up_front(
+            head.capture, body, path == engine_api.COMPLETIONS, shape.hidden_size, head.tokens
+        )
+    admission = svc.limiter.admit(
+        tenant,
+        tokens=head.tokens,
+        conversation_id=head.conversation_id,
+        latch=head.latch,
+        latch_bytes=head.latch_bytes(shape),
+        latch_kind=head.latch_kind,
+        vector_names=list(head.names),
+        api_key=caller_key(request),
+    )
+    async with admitted(svc.settler, admission) as call:
+        adm = call.admission
+        _check_names(head, adm)
+        prep = _prepare(body, head, tenant, shape, adm, parsed)
+        if is_responses and not client_stream_options:
+            # The Responses API has no stream_options: its final event carries usage.
+            body.pop("stream_options", None)
+        if adm.evicted:  # the engines' copies are harmless (never bridged) but use memory
+            svc.engines.forget_latches_soon(tenant.id, adm.evicted)
+        turn = Turn(svc.engines, svc.redis, svc.scripts, adm, head, prep, body, path)
+        on_capture = _capture_meter(request, tenant.id, head)
+        # A stream's span ends once the engine's answer has started (headers relayed).
+        with span("proxy", tenant_id=tenant.id, stream=head.stream):
+            if head.stream:
+                return await _stream(turn, call, on_capture)
+            return await _unary(turn, call, on_capture)
+
+
+def _capture_meter(request: Request, tenant_id: str, head: Head) -> Callable[[Any], None]:
+    """Counts an answer's captured bytes for the tenant (``steergate_capture_bytes``)."""
+    metrics = getattr(request.app.state, "metrics", None)
+
+    def observe(capture: Any) -> None:
+        if metrics is not None and head.capture is not None:
+            metrics.observe_capture(tenant_id, answer_bytes(capture))
+
+    return observe
+
+
+def _check_names(head: Head, adm: Admission) -> None:
+    """Named vectors the tenant does not have: 400, decided by admission's read."""
+    if adm.unmetered:
+        return
+    for name in head.names:
+        if not adm.vector_digests.get(name):
+            raise InvalidField(
+                "steering.vectors", f"no vector named '{name}'", code="unknown_vector"
+            )
+
+
+def _prepare(
+    body: dict[str, Any],
+    head: Head,
+    tenant: Any,
+    shape: Any,
+    adm: Admission,
+    parsed: Parsed | None,
+) -> Prepared:
+    """On the event loop: a small body's steering is bounded by the inline budget
+    (a few ms to validate at most); a large one's was validated in a worker, against
+    this shape unless the engines changed meanwhile (then it is validated again here)."""
+    steering = parsed.steering if parsed is not None and parsed.shape == shape else None
+    return prepare_inference(body, head, tenant, shape, adm.vector_digests, steering)
+
+
+def _latch_state(adm: Admission, engine_state: str | None) -> str:
+    state = engine_state or "none"
+    if adm.evicted and state in ("latched", "replaced"):
+        return "evicted_quota"
+    return state
+
+
+def _total_tokens(doc: Any) -> int:
+    return _usage(doc)[0]
+
+
+def _usage(doc: Any) -> tuple[int, int]:
+    """(total, prompt) tokens of an answer's ``usage``; -1 where unknown (the
+    reservation is then charged)."""
+    usage = doc.get("usage") if isinstance(doc, dict) else None
+    if isinstance(usage, dict) and isinstance(usage.get("total_tokens"), int):
+        prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+        return int(usage["total_tokens"]), int(prompt) if isinstance(prompt, int) else -1
+    return -1, -1
+
+
+async def _unary(turn: Turn, call: Admitted, on_capture: Callable[[Any], None]) -> Response:
+    adm, prep = turn.adm, turn.prep
+    r = await turn.send()
+    tenant_id = adm.tenant.id
+    ok = 200 <= r.status < 300
+    body = scrub(r.body, tenant_id, error=not ok)
+    engine_state = turn.state_override or r.headers.get(LATCH_HEADER)
+    if ok:
+        await turn.keep_latch(engine_state)
+    state = _latch_state(adm, engine_state)
+    tokens, prompt = -1, -1
+    if ok:
+        try:
+            doc = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            doc = None
+        tokens, prompt = _usage(doc)
+        if isinstance(doc, dict) and "capture" in doc:
+            on_capture(doc["capture"])
+        if isinstance(doc, dict):
+            steering = doc.get("steering")
+            if not isinstance(steering, dict) or steering.get("latch") != state:
+                applied = (
+                    steering.get("applied")
+                    if isinstance(steering, dict)
+                    else (prep.steering is not None or state in ("bridged", "restored"))
+                )
+                doc["steering"] = {"applied": bool(applied), "latch": state}
+                body = orjson.dumps(doc)
+    call.settle(r.status, tokens, engine_state, prep.steering is not None, prompt)
+    headers = {**adm.headers, LATCH_HEADER: state}
+    return Response(
+        body,
+        status_code=r.status,
+        headers=headers,
+        media_type=r.headers.get("content-type", "application/json"),
+    )
+
+
+class _RelayResponse(StreamingResponse):
+    """A StreamingResponse that runs ``on_exit`` however it ends, even if the client
+    left before the body iterator was ever started (whose own ``finally`` would then
+    never run): that closes the engine stream and settles the request exactly once."""
+
+    def __init__(self, *args: Any, on_exit: Callable[[], Awaitable[None]], **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._on_exit = on_exit
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_exit()
+
+
+async def _stream(turn: Turn, call: Admitted, on_capture: Callable[[Any], None]) -> Response:
+    adm, prep = turn.adm, turn.prep
+    cm, up, content = await turn.open_stream()
+    tenant_id = adm.tenant.id
+    if up.status != 200:
+        try:
+            data = await up.read()
+        except UpstreamBroken as exc:
+            raise APIError("engine_unavailable", "The inference engine is unavailable.") from exc
+        finally:
+            await cm.__aexit__(None, None, None)
+        call.settle(up.status, 0, up.headers.get(LATCH_HEADER))
+        return Response(
+            scrub(data, tenant_id, error=True),
+            status_code=up.status,
+            headers={**adm.headers, LATCH_HEADER: "none"},
+            media_type=up.headers.get("content-type", "application/json"),
+        )
+    engine_state = turn.state_override or up.headers.get(LATCH_HEADER)
+    # Recorded before the first event reaches the client: its next turn may come at once.
+    await turn.keep_latch(engine_state)
+    marker = f"{tenant_id}~".encode()
+    # What the relay has seen; settled once, by whichever of relay/on_exit ends last.
+    seen: dict[str, Any] = {"status": 0, "done": False}
+    # A stream cut short (client left, engine broke) has no final usage: it is charged
+    # the prompt plus what was generated so far, not the reservation (stream_meter.py).
+    meter = StreamMeter()
+
+    async def finish() -> None:
+        if seen["done"]:
+            return
+        seen["done"] = True
+        await cm.__aexit__(None, None, None)
+        # The engine's latch decision arrived with the headers, before any body, so it
+        # holds even if the stream later broke or the client left (status 0).
+        tokens, prompt = meter.split(lambda: prompt_estimate(content))
+        call.settle(seen["status"], tokens, engine_state, prep.steering is not None, prompt)
+
+    async def relay() -> AsyncIterator[bytes]:
+        buf = b""
+        try:
+            async for chunk in up.chunks():
+                buf += chunk
+                while b"\n\n" in buf:
+                    event, buf = buf.split(b"\n\n", 1)
+                    out = _relay_event(event, prep.include_usage, marker, meter, on_capture)
+                    if out is not None:
+                        yield out
+            if buf.strip():
+                out = _relay_event(buf, prep.include_usage, marker, meter, on_capture)
+                if out is not None:
+                    yield out
+            seen["status"] = 200
+        except UpstreamBroken:
+            seen["status"] = 502
+            err = APIError("engine_unavailable", "The inference engine failed mid-stream.")
+            yield b"data: " + render(err).body + b"\n\n"
+        finally:
+            await finish()
+
+    headers = {
+        **adm.headers,
+        LATCH_HEADER: _latch_state(adm, engine_state),
+        "cache-control": "no-cache",
+        "x-accel-buffering": "no",
+    }
+    call.hand_off()  # settled by ``finish``, once the relay ends or the client leaves
+    return _RelayResponse(
+        relay(), status_code=200, headers=headers, media_type="text/event-stream", on_exit=finish
+    )
+
+
+def _relay_event(
+    event: bytes,
+    client_wants_usage: bool,
+    marker: bytes,
+    meter: StreamMeter,
+    on_capture: Callable[[Any], None] | None = None,
+) -> bytes | None:
+    """One SSE event out (or None to drop it); what it reports goes to ``meter``."""
+    if marker in event:
+        event = event.replace(marker, b"")
+    # Chat and completions events are one ``data:`` line; the Responses API's start
+    # with an ``event:`` line.
+    data_at = 0 if event.startswith(b"data: {") else event.find(b"\ndata: {") + 1
+    if event.startswith(b"data: {") or data_at > 0:
+        try:
+            doc = orjson.loads(event[data_at + 6 :])
+        except orjson.JSONDecodeError:
+            doc = None
+        meter.observe(doc)
+        if on_capture is not None and isinstance(doc, dict):
+            # chat/completions: a final chunk of its own; responses: response.completed
+            inner = doc.get("response")
+            capture = doc.get("capture")
+            if capture is None and isinstance(inner, dict):
+                capture = inner.get("capture")
+            if capture is not None:
+                on_capture(capture)
+        if (
+            not client_wants_usage
+            and isinstance(doc, dict)
+            and not doc.get("choices")
+            and _total_tokens(doc) >= 0
+        ):
+            return None  # the usage-only chunk we asked for ourselves
+    return event + b"\n\n"

@@ -1,0 +1,78 @@
+"""Auth-cache invalidation over Redis pub/sub (``keys.EVENTS_CHANNEL``): revocations,
+rotations, limit changes and deletes are published as ``key:<id>`` / ``tenant:<id>``;
+every replica drops the affected cache entries as the message arrives (well under
+1 s), and clears its whole cache whenever its subscription (re)connects, because
+messages sent while it was away are lost. An expiry (a key's ``expires_at``, a
+rotated secret's grace end) is not an event: it is checked against the clock on every
+use of a cached entry."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from steergate.gateway.store import key_names as keys
+from steergate.gateway.store.connection import Redis, is_cluster
+from steergate.gateway.tenancy.auth_cache import AuthCache
+
+log = logging.getLogger("steergate.gateway.invalidation")
+
+
+class Invalidations:
+    """Publishes invalidation events and applies everyone's to ``cache``."""
+
+    def __init__(self, redis: Redis, cache: AuthCache) -> None:
+        self.redis = redis
+        self.cache = cache
+
+    async def publish(self, message: str) -> None:
+        await self.redis.publish(keys.EVENTS_CHANNEL, message)
+
+    def apply(self, message: str) -> None:
+        kind, _, ident = message.partition(":")
+        if kind == "key":
+            self.cache.drop_key(ident)
+        elif kind == "tenant":
+            self.cache.drop_tenant(ident)
+
+    async def listen(self, stop: asyncio.Event) -> None:
+        """Run until ``stop``: apply invalidation events; on every (re)subscribe clear
+        the whole cache, since events published while disconnected are lost."""
+        while not stop.is_set():
+            pubsub = None
+            try:
+                if is_cluster(self.redis):
+                    # A cluster client routes SUBSCRIBE by the channel's slot, which
+                    # needs its slot map (loaded by its first command, or here).
+                    await self.redis.initialize()
+                pubsub = self.redis.pubsub()
+                await pubsub.subscribe(keys.EVENTS_CHANNEL)
+                self.cache.clear()
+                while not stop.is_set():
+                    msg = await pubsub.get_message(timeout=0.2)
+                    kind = msg.get("type") if msg else None
+                    if kind == "subscribe":
+                        # Redis delivers events only from here on; an entry cached from
+                        # a read before this point may have missed its revocation.
+                        self.cache.clear()
+                    elif kind == "message":
+                        data = msg["data"]  # type: ignore[index]
+                        self.apply(data.decode() if isinstance(data, bytes) else str(data))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # transport failure: reconnect (clears on resubscribe)
+                # Entries stay usable meanwhile: no revocation can happen while Redis is
+                # unreachable, and with fail-open set the cached keys keep serving.
+                log.warning(
+                    "auth invalidation subscription lost (%s); retrying", type(exc).__name__
+                )
+                if is_cluster(self.redis):  # the node may be gone: reload the slot map
+                    with contextlib.suppress(Exception):
+                        await self.redis.nodes_manager.initialize()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 0.25)
+            finally:
+                if pubsub is not None:
+                    with contextlib.suppress(Exception):
+                        await pubsub.aclose()

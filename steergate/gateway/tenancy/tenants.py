@@ -1,0 +1,461 @@
+"""The tenant store: tenants, their API keys (create, list, rotate, revoke) and the
+admin keys, in Redis; resolving a presented key (through the auth cache,
+``steergate/gateway/tenancy/auth_cache.py``, kept current by
+``steergate/gateway/tenancy/invalidation.py``). What the records are and how they are validated:
+``steergate/gateway/tenancy/records.py``.
+"""
+
+from __future__ import annotations
+
+import builtins
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from pydantic import ValidationError
+
+from steergate.gateway.store import key_names as keys
+from steergate.gateway.store.connection import Redis, store_errors
+from steergate.gateway.store.scripts import CasKey, Scripts, TakeKey
+from steergate.gateway.tenancy import api_keys as apikeys
+from steergate.gateway.tenancy.audit import AuditLog
+from steergate.gateway.tenancy.auth_cache import AuthCache
+from steergate.gateway.tenancy.invalidation import Invalidations
+from steergate.gateway.tenancy.key_last_use import KeyUse
+from steergate.gateway.tenancy.records import (
+    ADMIN_ROLES,
+    DEFAULT_ENGINE_CAPS,
+    DEFAULT_GRACE_S,
+    AdminKey,
+    KeyInfo,
+    KeyMatch,
+    Limits,
+    Tenant,
+    admin_key_from,
+    api_key_from,
+    as_limits,
+    check_key_options,
+    invalid_field,
+    key_info_from,
+    lookup_value,
+    parse_lookup,
+)
+from steergate.shared.errors import APIError, InvalidField
+from steergate.shared.scoping import check_tenant_id
+
+log = logging.getLogger("steergate.gateway.tenants")
+
+EngineCaps = Callable[[], "tuple[int, int] | None"]
+OnTenantDeleted = Callable[[str, list[str], list[str]], Awaitable[None]]
+
+
+class TenantStore:
+    """CRUD for tenants and keys, key resolution, and cache invalidation."""
+
+    def __init__(
+        self,
+        redis: Redis,
+        pepper: str,
+        *,
+        engine_caps: EngineCaps | None = None,
+        on_deleted: OnTenantDeleted | None = None,
+        cache_ttl_s: float = 30.0,
+        refuse_overcommit: bool = False,
+        scripts: Scripts | None = None,
+    ) -> None:
+        self.redis = redis
+        self.scripts = scripts or Scripts.load(redis)
+        self._pepper = pepper
+        self._engine_caps = engine_caps or (lambda: None)
+        self.refuse_overcommit = refuse_overcommit
+        self.on_deleted = on_deleted
+        self.cache = AuthCache(cache_ttl_s)
+        self.events = Invalidations(redis, self.cache)
+        self.key_use = KeyUse(self.scripts)
+        self.audit = AuditLog(redis)
+
+    # -- tenants ---------------------------------------------------------------
+
+    async def create(
+        self,
+        tenant_id: str,
+        *,
+        name: str = "",
+        limits: Limits | dict[str, Any] | None = None,
+        allow_overcommit: bool = False,
+    ) -> Tenant:
+        """201-or-409: ids are unique (SET NX); overcommit is checked first."""
+        check_tenant_id(tenant_id)
+        tenant = Tenant(
+            id=tenant_id, name=name, limits=as_limits(limits), allow_overcommit=allow_overcommit
+        )
+        await self._check_overcommit(tenant)
+        async with store_errors():
+            created = await self.redis.set(keys.tenant_record(tenant_id), tenant.record(), nx=True)
+            if not created:
+                raise APIError("tenant_exists", f"tenant '{tenant_id}' already exists", param="id")
+            await self.redis.sadd(keys.TENANT_INDEX, tenant_id)
+        return tenant
+
+    async def get(self, tenant_id: str) -> Tenant | None:
+        async with store_errors():
+            raw = await self.redis.get(keys.tenant_record(tenant_id))
+        return Tenant.from_record(raw) if raw else None
+
+    async def require(self, tenant_id: str) -> Tenant:
+        tenant = await self.get(tenant_id)
+        if tenant is None:
+            raise APIError("tenant_not_found", f"no tenant '{tenant_id}'", param="id")
+        return tenant
+
+    async def list(self) -> list[Tenant]:
+        async with store_errors():
+            ids = sorted(await self.redis.smembers(keys.TENANT_INDEX))
+            pipe = self.redis.pipeline(transaction=False)
+            for tid in ids:
+                pipe.get(keys.tenant_record(tid))
+            raws = await pipe.execute() if ids else []
+        return [Tenant.from_record(raw) for raw in raws if raw]
+
+    async def update(self, tenant_id: str, patch: dict[str, Any]) -> Tenant:
+        """Apply a partial update: ``name``, ``allow_overcommit``, ``limits`` (partial)."""
+        current = await self.require(tenant_id)
+        unknown = set(patch) - {"name", "limits", "allow_overcommit"}
+        if unknown:
+            field = sorted(unknown)[0]
+            raise APIError("invalid_request", f"unknown field '{field}'", param=field)
+        limits = current.limits.model_dump()
+        if patch.get("limits") is not None:
+            if not isinstance(patch["limits"], dict):
+                raise APIError("invalid_request", "'limits' must be an object", param="limits")
+            limits.update(patch["limits"])
+        try:
+            updated = Tenant(
+                id=current.id,
+                name=patch["name"] if patch.get("name") is not None else current.name,
+                limits=Limits.model_validate(limits),
+                allow_overcommit=bool(patch.get("allow_overcommit", current.allow_overcommit)),
+                created_at=current.created_at,
+                cache_salt=current.cache_salt,
+            )
+        except ValidationError as exc:
+            raise invalid_field(exc, "limits") from exc
+        await self._check_overcommit(updated)
+        async with store_errors():
+            await self.redis.set(keys.tenant_record(tenant_id), updated.record(), xx=True)
+            await self.events.publish(f"tenant:{tenant_id}")
+        self.cache.drop_tenant(tenant_id)
+        return updated
+
+    async def delete(self, tenant_id: str) -> bool:
+        """Remove the tenant with its keys, latches, vectors and usage; the engine-side
+        latches and vectors go through ``on_deleted`` (wired to the engine pool)."""
+        async with store_errors():
+            if not await self.redis.exists(keys.tenant_record(tenant_id)):
+                return False
+            key_rows = await self.redis.hgetall(keys.tenant_keys(tenant_id))
+            latch_ids = list(await self.redis.zrange(keys.latches(tenant_id), 0, -1))
+            vector_names = list(await self.redis.hkeys(keys.vectors(tenant_id)))
+            for row in key_rows.values():
+                doc = orjson.loads(row)
+                await self.redis.delete(keys.key_lookup(doc["hash"]))
+                if doc.get("prev_hash"):
+                    await self.redis.delete(keys.key_lookup(doc["prev_hash"]))
+            for key_id in key_rows:
+                await self.redis.delete(keys.key_owner(key_id))
+            # One slot: every per-tenant key carries the same hash tag.
+            await self.redis.delete(
+                *keys.all_tenant_keys(tenant_id, int(time.time()) // 60),
+                keys.key_last_used(tenant_id),
+            )
+            await self.redis.srem(keys.TENANT_INDEX, tenant_id)
+            await self.events.publish(f"tenant:{tenant_id}")
+        self.cache.drop_tenant(tenant_id)
+        if self.on_deleted is not None:
+            await self.on_deleted(tenant_id, latch_ids, vector_names)
+        return True
+
+    # -- keys ------------------------------------------------------------------
+    #
+    # Per key: ``keys.key_lookup(hash)`` (global) -> the lookup entry (``lookup_value``)
+    # for each live secret; ``keys.key_owner(key_id)`` (global) -> "<tenant> <hash>";
+    # ``keys.tenant_keys(tenant)`` key_id -> the record {prefix, created_at, hash, name,
+    # scopes, limits, expires_at[, prev_hash, prev_expires_at, rotated_at]}, which is
+    # what lists show and what revoke and rotate change (atomically, by script: a
+    # revoke racing a rotation removes every secret either produced).
+
+    async def create_key(self, tenant_id: str, **options: Any) -> tuple[str, str, str]:
+        """(key_id, key, prefix). The raw key exists only in this return value.
+        ``options``: as :meth:`create_key_info`."""
+        info, key = await self.create_key_info(tenant_id, **options)
+        return info.key_id, key, info.prefix
+
+    async def create_key_info(
+        self,
+        tenant_id: str,
+        *,
+        name: Any = None,
+        expires_at: Any = None,
+        scopes: Any = None,
+        limits: Any = None,
+    ) -> tuple[KeyInfo, str]:
+        """Validate the options (400 naming the field), store the key's HMAC and
+        record; return the key's public record and the raw key (shown once)."""
+        tenant = await self.require(tenant_id)
+        now = time.time()
+        name, expires_at, chosen, key_limits = check_key_options(
+            tenant, name, expires_at, scopes, limits, now
+        )
+        key = apikeys.generate_key()
+        key_id = apikeys.generate_key_id()
+        prefix = apikeys.display_prefix(key)
+        key_hash = apikeys.hash_key(self._pepper, key)
+        doc: dict[str, Any] = {
+            "prefix": prefix,
+            "created_at": now,
+            "hash": key_hash,
+            "name": name,
+            "scopes": list(chosen),
+            "limits": key_limits.model_dump(exclude_none=True),
+            "expires_at": expires_at,
+        }
+        async with store_errors():
+            await self.redis.set(keys.key_lookup(key_hash), lookup_value(tenant, key_id, doc))
+            await self.redis.set(keys.key_owner(key_id), f"{tenant_id} {key_hash}")
+            await self.redis.hset(keys.tenant_keys(tenant_id), key_id, orjson.dumps(doc))
+        return key_info_from(tenant_id, key_id, doc, None, now), key
+
+    async def list_keys(self, tenant_id: str) -> builtins.list[KeyInfo]:
+        await self.require(tenant_id)
+        async with store_errors():
+            rows = await self.redis.hgetall(keys.tenant_keys(tenant_id))
+            used = await self.redis.hgetall(keys.key_last_used(tenant_id)) if rows else {}
+        now = time.time()
+        out = [
+            key_info_from(tenant_id, key_id, orjson.loads(raw), used.get(key_id), now)
+            for key_id, raw in rows.items()
+        ]
+        return sorted(out, key=lambda k: (k.created_at, k.key_id))
+
+    async def revoke_key(self, key_id: str) -> str | None:
+        """Revoke a tenant key (every secret it has, a rotated one in its grace period
+        too); returns its tenant id, or None if there is no such key."""
+        async with store_errors():
+            owner = await self.redis.get(keys.key_owner(key_id))
+            if not owner:
+                return None
+            tenant_id, key_hash = owner.split(" ", 1)
+            raw = await self.scripts.run(TakeKey(tenant_id=tenant_id, key_id=key_id))
+            doc = orjson.loads(raw) if raw else {}
+            for h in {key_hash, doc.get("hash"), doc.get("prev_hash")} - {None}:
+                await self.redis.delete(keys.key_lookup(h))
+            await self.redis.delete(keys.key_owner(key_id))
+            await self.events.publish(f"key:{key_id}")
+        self.cache.drop_key(key_id)
+        return tenant_id if raw else None
+
+    async def rotate_key(
+        self, key_id: str, grace_s: int = DEFAULT_GRACE_S
+    ) -> tuple[KeyInfo, str] | None:
+        """Give the key a new secret (same key id, name, scopes, limits, expiry). The
+        current secret keeps working for ``grace_s`` seconds, then answers 401; a secret
+        still in the grace of an earlier rotation stops at once (one previous secret at
+        a time). Returns the updated record and the new raw key, or None (no such key).
+        The record is replaced by compare-and-set, so a concurrent rotation or revoke
+        of the same key never leaves a secret behind that the record does not name."""
+        async with store_errors():
+            for _ in range(5):
+                owner = await self.redis.get(keys.key_owner(key_id))
+                if not owner:
+                    return None
+                tenant_id = owner.split(" ", 1)[0]
+                tenant = await self.get(tenant_id)
+                raw = await self.redis.hget(keys.tenant_keys(tenant_id), key_id)
+                if tenant is None or not raw:
+                    return None
+                rotated = await self._rotate_once(tenant, key_id, raw, grace_s)
+                if rotated is not None:
+                    break
+            else:
+                return None
+            self.cache.drop_key(key_id)
+            return rotated
+
+    async def _rotate_once(
+        self, tenant: Tenant, key_id: str, raw: str, grace_s: int
+    ) -> tuple[KeyInfo, str] | None:
+        doc = orjson.loads(raw)
+        now = time.time()
+        current, older = doc["hash"], doc.get("prev_hash")
+        key = apikeys.generate_key()
+        new_hash = apikeys.hash_key(self._pepper, key)
+        doc.update(prefix=apikeys.display_prefix(key), hash=new_hash, rotated_at=now)
+        until = now + grace_s
+        if grace_s > 0:
+            doc.update(prev_hash=current, prev_expires_at=until)
+        else:
+            doc.pop("prev_hash", None)
+            doc.pop("prev_expires_at", None)
+        new_lookup = keys.key_lookup(new_hash)
+        await self.redis.set(new_lookup, lookup_value(tenant, key_id, doc))
+        swapped = await self.scripts.run(
+            CasKey(tenant_id=tenant.id, key_id=key_id, expected=raw, new=orjson.dumps(doc))
+        )
+        if not swapped:  # revoked or rotated meanwhile; the new secret was never shown
+            await self.redis.delete(new_lookup)
+            return None
+        old_lookup = keys.key_lookup(current)
+        if grace_s > 0:
+            # xx: a revoke that ran meanwhile stays a revoke. Redis forgets the entry a
+            # little after the grace ends; the grace itself is enforced from ``until``,
+            # to the second, on every replica (cached or not).
+            await self.redis.set(
+                old_lookup,
+                lookup_value(tenant, key_id, doc, until),
+                xx=True,
+                exat=math.ceil(until) + 5,
+            )
+        else:
+            await self.redis.delete(old_lookup)
+        if older and older != current:
+            await self.redis.delete(keys.key_lookup(older))
+        await self.redis.set(keys.key_owner(key_id), f"{tenant.id} {new_hash}", xx=True)
+        # Replicas holding the old secret drop it and re-read it (learning its grace end).
+        await self.events.publish(f"key:{key_id}")
+        used = await self.redis.hget(keys.key_last_used(tenant.id), key_id)
+        return key_info_from(tenant.id, key_id, doc, used, now), key
+
+    async def resolve(self, raw_key: str) -> KeyMatch | None:
+        """The key's tenant and record, or None (unknown, malformed, revoked, or a
+        rotated secret past its grace). An *expired* key is returned: the caller
+        answers 401 expired_api_key. Hot path: a cache hit costs no Redis call."""
+        if not apikeys.looks_like_key(raw_key):
+            return None
+        key_hash = apikeys.hash_key(self._pepper, raw_key)
+        cached = self.cache.get(key_hash)
+        if cached is None:
+            cached = await self._load(key_hash)
+            if cached is None:
+                return None
+        if cached.valid_until is not None and time.time() >= cached.valid_until:
+            return None
+        return cached  # type: ignore[no-any-return]
+
+    async def _load(self, key_hash: str) -> KeyMatch | None:
+        generation = self.cache.generation  # before the read: see AuthCache
+        async with store_errors():
+            owner = await self.redis.get(keys.key_lookup(key_hash))
+            if not owner:
+                return None
+            entry = parse_lookup(owner)
+            raw = await self.redis.get(keys.tenant_record(entry["t"]))
+        if not raw:
+            return None
+        tenant = Tenant.from_record(raw)
+        if "tc" in entry and entry["tc"] != tenant.created_at:
+            return None  # left behind by an earlier tenant of the same id
+        match = KeyMatch(tenant, api_key_from(tenant.id, entry["k"], entry), entry.get("until"))
+        self.cache.put(key_hash, match, entry["k"], tenant.id, generation)
+        return match
+
+    async def resolve_key(self, raw_key: str) -> Tenant | None:
+        """The key's tenant if the key may be used now (not expired), else None."""
+        match = await self.resolve(raw_key)
+        if match is None or match.key.expired(time.time()):
+            return None
+        return match.tenant
+
+    # -- admin keys --------------------------------------------------------------
+
+    async def create_admin_key(
+        self, role: str, *, name: str = "", created_by: str = ""
+    ) -> tuple[AdminKey, str]:
+        """(record, raw key): the key is shown once; only its HMAC is stored."""
+        if role not in ADMIN_ROLES:
+            raise InvalidField("role", f"'role' must be one of {', '.join(ADMIN_ROLES)}")
+        key = apikeys.generate_admin_key()
+        admin = AdminKey(
+            key_id=apikeys.generate_admin_key_id(),
+            role=role,
+            name=name,
+            prefix=apikeys.display_prefix(key),
+            created_at=time.time(),
+            created_by=created_by,
+        )
+        key_hash = apikeys.hash_key(self._pepper, key)
+        doc = {**admin.public(), "hash": key_hash}
+        doc.pop("key_id")
+        async with store_errors():
+            await self.redis.hset(keys.ADMIN_KEYS, admin.key_id, orjson.dumps(doc))
+            await self.redis.set(keys.admin_key_lookup(key_hash), admin.key_id)
+        return admin, key
+
+    async def list_admin_keys(self) -> builtins.list[AdminKey]:
+        async with store_errors():
+            rows = await self.redis.hgetall(keys.ADMIN_KEYS)
+        out = [admin_key_from(key_id, orjson.loads(raw)) for key_id, raw in rows.items()]
+        return sorted(out, key=lambda k: (k.created_at, k.key_id))
+
+    async def revoke_admin_key(self, key_id: str) -> AdminKey | None:
+        """Revoke an admin key on every replica (pub/sub, like tenant keys)."""
+        async with store_errors():
+            row = await self.redis.hget(keys.ADMIN_KEYS, key_id)
+            if not row:
+                return None
+            doc = orjson.loads(row)
+            await self.redis.delete(keys.admin_key_lookup(doc["hash"]))
+            await self.redis.hdel(keys.ADMIN_KEYS, key_id)
+            await self.events.publish(f"key:{key_id}")
+        self.cache.drop_key(key_id)
+        return admin_key_from(key_id, doc)
+
+    async def resolve_admin(self, raw_key: str) -> AdminKey | None:
+        """An admin key's record, or None. Cached like tenant keys (same invalidation)."""
+        if not apikeys.looks_like_admin_key(raw_key):
+            return None
+        key_hash = apikeys.hash_key(self._pepper, raw_key)
+        cached = self.cache.get(key_hash)
+        if isinstance(cached, AdminKey):
+            return cached
+        generation = self.cache.generation  # before the read: see AuthCache
+        async with store_errors():
+            key_id = await self.redis.get(keys.admin_key_lookup(key_hash))
+            if not key_id:
+                return None
+            row = await self.redis.hget(keys.ADMIN_KEYS, key_id)
+        if not row:
+            return None
+        doc = orjson.loads(row)
+        if not apikeys.same_secret(doc["hash"], key_hash):
+            return None
+        admin = admin_key_from(key_id, doc)
+        self.cache.put(key_hash, admin, key_id, "", generation)
+        return admin
+
+    # -- invalidation ------------------------------------------------------------
+
+    # -- overcommit ----------------------------------------------------------------
+
+    async def _check_overcommit(self, tenant: Tenant) -> None:
+        """Only with ``refuse_overcommit`` (STEERGATE_REFUSE_OVERCOMMIT): 409 unless Σ
+        latch quotas (this tenant's new limits + every other tenant's) fit the smallest
+        engine's caps. Engines are caches of Redis, so overcommit never loses a latch;
+        it costs restores (one Redis read and a larger engine request on the turn after
+        an engine evicted the latch). Operators who want every latch to stay resident
+        refuse it; everyone else sees it as a warning in the capacity view."""
+        if tenant.allow_overcommit or not self.refuse_overcommit:
+            return
+        caps = self._engine_caps() or DEFAULT_ENGINE_CAPS
+        others = [t for t in await self.list() if t.id != tenant.id]
+        count = tenant.limits.latch_count + sum(t.limits.latch_count for t in others)
+        nbytes = tenant.limits.latch_bytes + sum(t.limits.latch_bytes for t in others)
+        if count > caps[0] or nbytes > caps[1]:
+            raise APIError(
+                "engine_overcommitted",
+                f"latch quotas would total {count} latches / {nbytes} bytes, above the engine caps "
+                f"({caps[0]} latches / {caps[1]} bytes); lower the limits or set allow_overcommit",
+                param="limits",
+            )

@@ -1,0 +1,2 @@
+"""Steering vectors from contrastive examples: the request body and the math (pure: no
+FastAPI, no Redis)."""

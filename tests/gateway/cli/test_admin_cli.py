@@ -1,0 +1,156 @@
+"""``steergate tenant|key|usage`` against a live gateway (uvicorn thread), through the
+real entry point ``steergate.cli.main``."""
+
+# ruff: noqa: F811 - pytest fixtures are imported, then named as parameters
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from steergate.gateway.admission.units import format_bytes, parse_bytes
+from tests.gateway.conftest import ADMIN_KEY
+from tests.gateway.ops_env import Ops, cli, ops  # noqa: F401 - fixtures
+from tests.harness import free_port
+
+
+def test_tenant_create_list_show_update_delete_round_trip(cli, ops: Ops) -> None:  # type: ignore[no-untyped-def]
+    code, out, err = cli(
+        "tenant",
+        "create",
+        "acme",
+        "--name",
+        "Acme",
+        "--rpm",
+        "30",
+        "--latch-bytes",
+        "1MiB",
+        "--latch-count",
+        "8",
+        "--latch-policy",
+        "reject",
+    )
+    assert code == 0, err
+    assert "acme" in out and "1 MiB" in out
+    t = ops.admin("GET", "/admin/tenants/acme").json()
+    assert t["limits"]["rpm"] == 30 and t["limits"]["latch_bytes"] == 1048576
+    assert t["limits"]["latch_policy"] == "reject" and t["name"] == "Acme"
+
+    code, out, _ = cli("tenant", "list")
+    assert code == 0 and re.search(r"acme\s.*Acme", out)
+
+    code, out, _ = cli("tenant", "update", "acme", "--tpm", "5000", "--vector-bytes", "64KiB")
+    assert code == 0
+    t = ops.admin("GET", "/admin/tenants/acme").json()
+    assert t["limits"]["tpm"] == 5000 and t["limits"]["vector_bytes"] == 65536
+    assert t["limits"]["rpm"] == 30  # untouched
+
+    code, out, _ = cli("tenant", "show", "acme")
+    assert code == 0 and "req/min" in out and "keys" in out
+
+    code, out, _ = cli("tenant", "list", "--json")
+    assert [x["id"] for x in json.loads(out)] == ["acme"]
+
+    code, out, err = cli("tenant", "delete", "acme")
+    assert code == 2 and "--yes" in err  # no tty to confirm on
+    assert ops.admin("GET", "/admin/tenants/acme").status_code == 200
+    code, out, _ = cli("tenant", "delete", "acme", "--yes")
+    assert code == 0 and "deleted" in out
+    assert ops.admin("GET", "/admin/tenants/acme").status_code == 404
+
+
+def test_key_create_prints_the_key_once_list_masks_it_and_revoke_works(cli, ops: Ops) -> None:  # type: ignore[no-untyped-def]
+    cli("tenant", "create", "acme")
+    code, out, _ = cli("key", "create", "acme")
+    assert code == 0
+    key = re.search(r"sk-sg-[A-Za-z0-9_-]{43}", out).group(0)  # type: ignore[union-attr]
+    key_id = re.search(r"key_[0-9a-f]{16}", out).group(0)  # type: ignore[union-attr]
+    assert ops.get(key, "/v1/usage").status_code == 200
+
+    code, out, _ = cli("key", "list", "acme")
+    assert code == 0 and key_id in out and key[:12] + "…" in out
+    assert key not in out and key[12:] not in out
+    code, out, _ = cli("tenant", "show", "acme")
+    assert key not in out and key[12:] not in out
+
+    code, out, _ = cli("key", "revoke", key_id)
+    assert code == 0 and "revoked" in out
+    assert ops.get(key, "/v1/usage").status_code == 401
+    code, _, err = cli("key", "revoke", key_id)
+    assert code == 1 and "key_not_found" in err
+
+
+def test_usage_tables_for_all_tenants_and_one(cli, ops: Ops) -> None:  # type: ignore[no-untyped-def]
+    key = ops.tenant("acme", rpm=10, latch_bytes=2 * 1024 * 1024)
+    ops.tenant("beta")
+    for _ in range(3):
+        assert ops.chat(key).status_code == 200
+    code, out, _ = cli("usage")
+    assert code == 0
+    row = next(line for line in out.splitlines() if "acme" in line)
+    assert "30% 3/10" in row and "0% 0 B/2 MiB" in row
+    assert any("beta" in line for line in out.splitlines())
+    assert "latch capacity" in out and "ok" in out
+
+    ops.wait_for(
+        lambda: (
+            ops.admin("GET", "/admin/usage?tenant=acme").json()["tenants"][0]["responses"]["2xx"]
+            == 3
+        )
+    )
+    code, out, _ = cli("usage", "acme")
+    assert code == 0 and "usage of acme" in out and "2xx 3" in out
+    assert "requests/min, last 60 min" in out and "beta" not in out
+
+    code, out, _ = cli("usage", "acme", "--json")
+    assert json.loads(out)["tenants"][0]["quotas"]["requests_per_minute"]["limit"] == 10
+
+
+def test_gateway_refusals_are_clear_errors_with_exit_1(cli, ops: Ops) -> None:  # type: ignore[no-untyped-def]
+    code, _, _ = cli("tenant", "create", "acme", "--latch-count", "2000")
+    assert code == 0  # overcommit is allowed by default (it costs restores, not latches)
+    code, _, err = cli("tenant", "create", "acme")
+    assert code == 1 and "tenant_exists" in err and "field id" in err
+    code, _, err = cli("tenant", "create", "Bad_Id")
+    assert code == 1 and "invalid_tenant_id" in err and "field id" in err
+    code, _, err = cli("tenant", "show", "ghost")
+    assert code == 1 and "tenant_not_found" in err
+    code, _, err = cli("tenant", "update", "acme")
+    assert code == 2 and "nothing to update" in err
+
+
+def test_bad_flags_are_usage_errors_with_exit_2(cli) -> None:  # type: ignore[no-untyped-def]
+    assert cli("tenant", "create", "acme", "--latch-bytes", "lots")[0] == 2
+    assert cli("tenant", "create", "acme", "--latch-policy", "lru")[0] == 2
+    assert cli("tenant", "frobnicate")[0] == 2
+    assert cli("key")[0] == 2
+
+
+def test_missing_or_wrong_admin_key_and_unreachable_gateway(
+    cli, ops: Ops, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    tenant_key = ops.tenant("acme")
+    monkeypatch.setenv("STEERGATE_ADMIN_KEY", tenant_key)
+    code, out, err = cli("tenant", "list")
+    assert code == 1 and "permission_denied" in err and "STEERGATE_ADMIN_KEY" in err
+    assert tenant_key not in out + err
+    monkeypatch.delenv("STEERGATE_ADMIN_KEY")
+    code, _, err = cli("tenant", "list")
+    assert code == 2 and "STEERGATE_ADMIN_KEY" in err
+    monkeypatch.setenv("STEERGATE_ADMIN_KEY", ADMIN_KEY)
+    dead = f"http://127.0.0.1:{free_port()}"
+    code, _, err = cli("tenant", "list", "--url", dead)
+    assert code == 1 and "cannot reach the gateway" in err and dead in err
+
+
+def test_sizes_parse_and_format_in_binary_units() -> None:
+    assert parse_bytes("4096") == 4096
+    assert parse_bytes("64KiB") == parse_bytes("64k") == 65536
+    assert parse_bytes("256MiB") == 268435456
+    assert parse_bytes("1GB") == 10**9 and parse_bytes("1.5KiB") == 1536
+    for bad in ("", "lots", "1.3B", "-5", "5 parsecs"):
+        with pytest.raises(ValueError):
+            parse_bytes(bad)
+    assert format_bytes(268435456) == "256 MiB"
+    assert format_bytes(1536) == "1.5 KiB" and format_bytes(10) == "10 B"

@@ -1,0 +1,338 @@
+"""Durable tenant state (issue 8): Redis is the system of record for vectors and
+latches, engines are bounded caches. Against stub engines (the real endpoint plugin,
+its real latch controller and caps) and a real Redis: whatever falls out of an engine
+(restart, cap eviction, an engine that was away, a newly added one) is installed again
+from Redis before the turn that needs it, and the turn is steered exactly as before.
+
+The stub model answers ``echo <digest of the steering it got>``, so equal answers
+mean bit-identical steering.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from steergate.gateway.store import key_names as keys
+from steergate.shared.scoping import scope
+from tests.gateway.conftest import ADMIN_KEY, FakeEngine, make_tenant, start_stub_engine
+from tests.gateway.servers import ServerThread
+from tests.harness import redis_client, wait_for
+
+CHAT = "/v1/chat/completions"
+FAST_POLL = {"reconcile_interval_s": 0.1, "engine_sync_interval_s": 3600.0}
+
+
+def chat(gw: ServerThread, key: str, **extra: Any) -> httpx.Response:
+    body = {"model": "stub", "messages": [{"role": "user", "content": "hi"}], **extra}
+    r = httpx.post(gw.url + CHAT, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def text(r: httpx.Response) -> str:
+    return str(r.json()["choices"][0]["message"]["content"])
+
+
+def put_vector(gw: ServerThread, key: str, name: str, value: float) -> httpx.Response:
+    return httpx.put(
+        gw.url + f"/v1/steering/vectors/{name}",
+        json={"hook": "post_block", "layers": {"1": [value] * 8}},
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=10,
+    )
+
+
+def inline(value: float, latch: bool = True) -> dict[str, Any]:
+    return {"vectors": [{"hook": "post_attn", "layers": {"2": [value] * 8}}], "latch": latch}
+
+
+
+@pytest.fixture()
+def engines() -> Iterator[list[FakeEngine]]:
+    """Stub engines a test starts with :func:`start_engines`; all stopped after it."""
+    started: list[FakeEngine] = []
+    yield started
+    for e in started:
+        e.server.stop()
+
+
+def start_engines(engines: list[FakeEngine], n: int, **caps: Any) -> list[FakeEngine]:
+    for _ in range(n):
+        engines.append(start_stub_engine(**caps))
+    return engines
+
+
+def stop(engine: FakeEngine) -> None:
+    engine.server.stop()
+
+
+def bring_back(engine: FakeEngine) -> None:
+    """The same engine process answering again after an outage (its state kept)."""
+    engine.server = ServerThread(engine.state.app, port=engine.server.port).start()
+
+
+def owner(gw: ServerThread, tenant: str, conv: str, engines: list[FakeEngine]) -> FakeEngine:
+    picked = gw.app.state.services.engines.pick(scope(tenant, conv))
+    return next(e for e in engines if e.url == picked.url)
+
+
+# -- restarts ---------------------------------------------------------------------------
+
+
+def test_engine_restart_loses_nothing_a_tenant_stored(
+    start_gateway: Any, fake_engine: FakeEngine, redis_url: str
+) -> None:
+    gw = start_gateway(**FAST_POLL)
+    key = make_tenant(redis_url, "acme")
+    assert put_vector(gw, key, "calm", 0.25).status_code == 201
+    by_ref = {"vectors": [{"name": "calm", "scale": 2.0}], "latch": True}
+    latched_ref = text(chat(gw, key, conversation_id="c-ref", steering=by_ref))
+    latched_val = text(chat(gw, key, conversation_id="c-val", steering=inline(0.5)))
+    explicit = text(chat(gw, key, steering={"vectors": [{"name": "calm"}]}))
+    assert latched_ref.startswith("echo ") and latched_val.startswith("echo ")
+
+    fake_engine.state.restart()  # a crash, a deploy, an OOM kill: the cache is empty
+    assert fake_engine.state.latches == {} and fake_engine.state.vectors == {}
+
+    r = chat(gw, key, conversation_id="c-ref")
+    assert r.headers["x-steering-latch"] == "restored" and text(r) == latched_ref
+    assert r.json()["steering"] == {"applied": True, "latch": "restored"}
+    r = chat(gw, key, conversation_id="c-val")
+    assert r.headers["x-steering-latch"] == "restored" and text(r) == latched_val
+    # restored once, bridged from then on
+    assert chat(gw, key, conversation_id="c-val").headers["x-steering-latch"] == "bridged"
+    # the named vector works again with the same output, and is still listed and counted
+    assert text(chat(gw, key, steering={"vectors": [{"name": "calm"}]})) == explicit
+    listed = httpx.get(
+        gw.url + "/v1/steering/vectors", headers={"Authorization": f"Bearer {key}"}
+    ).json()["data"]
+    assert [v["name"] for v in listed] == ["calm"]
+    client = redis_client(redis_url)
+    assert client.zcard(keys.latches("acme")) == 2
+
+
+def test_engine_cap_evictions_cost_a_restore_never_a_latch(
+    start_gateway: Any, engines: list[FakeEngine], redis_url: str
+) -> None:
+    (engine,) = start_engines(engines, 1, max_latched=4)
+    gw = start_gateway(engine_urls=engine.url, **FAST_POLL)
+    ka = make_tenant(redis_url, "a", latch_count=64)
+    kb = make_tenant(redis_url, "b", latch_count=64)
+    b_answer = text(chat(gw, kb, conversation_id="b1", steering=inline(0.9)))
+    a_answers = [
+        text(chat(gw, ka, conversation_id=f"a{i}", steering=inline(0.01 * (i + 1))))
+        for i in range(10)
+    ]
+    assert len(engine.state.latches) == 4  # the engine's caps hold, as designed
+    r = chat(gw, kb, conversation_id="b1")  # another tenant's flood did not lose it
+    assert r.headers["x-steering-latch"] == "restored" and text(r) == b_answer
+    r = chat(gw, ka, conversation_id="a0")  # nor the tenant's own earliest
+    assert r.headers["x-steering-latch"] == "restored" and text(r) == a_answers[0]
+    assert len(engine.state.latches) <= 4
+
+
+def test_quota_eviction_is_the_only_way_a_latch_is_lost(
+    gateway: ServerThread, fake_engine: FakeEngine, redis_url: str
+) -> None:
+    key = make_tenant(redis_url, "acme", latch_count=2)
+    for c, v in (("c1", 0.1), ("c2", 0.2), ("c3", 0.3)):
+        chat(gateway, key, conversation_id=c, steering=inline(v))
+    # c1 was evicted by the tenant's own quota: never steered again, on any engine
+    r = chat(gateway, key, conversation_id="c1")
+    assert r.headers["x-steering-latch"] == "none" and text(r) == "echo"
+    wait_for(lambda: "acme~c1" not in fake_engine.state.latches, 5)
+
+
+# -- vectors ----------------------------------------------------------------------------
+
+
+def test_a_changed_vector_makes_its_by_reference_latch_stale_after_a_restart(
+    gateway: ServerThread, fake_engine: FakeEngine, redis_url: str
+) -> None:
+    key = make_tenant(redis_url, "acme")
+    assert put_vector(gateway, key, "calm", 0.25).status_code == 201
+    chat(gateway, key, conversation_id="c", steering={"vectors": [{"name": "calm"}], "latch": True})
+    assert put_vector(gateway, key, "calm", 0.75).status_code == 200  # other content
+    fake_engine.state.restart()
+    r = chat(gateway, key, conversation_id="c")
+    assert r.headers["x-steering-latch"] == "dropped_stale" and text(r) == "echo"
+    client = redis_client(redis_url)
+    wait_for(lambda: client.zcard(keys.latches("acme")) == 0, 5)
+
+
+def test_a_deleted_vector_makes_its_by_reference_latch_stale_after_a_restart(
+    gateway: ServerThread, fake_engine: FakeEngine, redis_url: str
+) -> None:
+    key = make_tenant(redis_url, "acme")
+    assert put_vector(gateway, key, "calm", 0.25).status_code == 201
+    chat(gateway, key, conversation_id="c", steering={"vectors": [{"name": "calm"}], "latch": True})
+    auth = {"Authorization": f"Bearer {key}"}
+    assert httpx.delete(gateway.url + "/v1/steering/vectors/calm", headers=auth).status_code == 204
+    fake_engine.state.restart()
+    r = chat(gateway, key, conversation_id="c")
+    assert r.headers["x-steering-latch"] == "dropped_stale" and text(r) == "echo"
+    assert chat(gateway, key, conversation_id="c").headers["x-steering-latch"] == "none"
+
+
+def test_vector_data_round_trips_from_redis_exactly(
+    gateway: ServerThread, fake_engine: FakeEngine, redis_url: str
+) -> None:
+    key = make_tenant(redis_url, "acme")
+    auth = {"Authorization": f"Bearer {key}"}
+    values = [0.1, -2.5, 3.25e-8, 1e30, -0.0, 7.0, 0.333333, 42.0]
+    r = httpx.put(
+        gateway.url + "/v1/steering/vectors/v",
+        json={"hook": "pre_attn", "layers": {"3": values}, "description": "d"},
+        headers=auth,
+    )
+    assert r.status_code == 201
+    fake_engine.state.restart()
+    full = httpx.get(gateway.url + "/v1/steering/vectors/v?include=data", headers=auth).json()
+    again = httpx.put(
+        gateway.url + "/v1/steering/vectors/v2",
+        json={"hook": full["hook"], "packed": full["packed"]},
+        headers=auth,
+    ).json()
+    assert again["digest"] == full["digest"] == r.json()["digest"]
+
+
+# -- many engines -----------------------------------------------------------------------
+
+
+def test_two_engines_failover_is_exact_and_a_returning_engine_is_hydrated_lazily(
+    start_gateway: Any, engines: list[FakeEngine], redis_url: str
+) -> None:
+    start_engines(engines, 2)
+    gw = start_gateway(engine_urls=",".join(e.url for e in engines), **FAST_POLL)
+    wait_for(lambda: all(not e.dirty for e in gw.app.state.services.engines.engines), 5)
+    key = make_tenant(redis_url, "acme")
+    latched = text(chat(gw, key, conversation_id="c", steering=inline(0.5)))
+    home = owner(gw, "acme", "c", engines)
+    other = next(e for e in engines if e is not home)
+    assert "acme~c" in home.state.latches
+    # affinity: the conversation keeps its engine while it is up
+    for _ in range(3):
+        chat(gw, key, conversation_id="c")
+    assert "acme~c" not in other.state.latches
+
+    stop(home)
+    r = chat(gw, key, conversation_id="c")  # served by the next engine, steered the same
+    assert r.headers["x-steering-latch"] == "restored" and text(r) == latched
+    assert "acme~c" in other.state.latches
+    assert put_vector(gw, key, "calm", 0.25).status_code == 201  # registered meanwhile
+
+    bring_back(home)
+    wait_for(lambda: owner(gw, "acme", "c", engines) is home, 5)
+    r = chat(gw, key, conversation_id="c")
+    assert r.headers["x-steering-latch"] in ("bridged", "restored") and text(r) == latched
+    # the vector registered while it was away works on both engines, identically
+    answers = set()
+    for target in engines:
+        conv = next(f"v{i}" for i in range(1000) if owner(gw, "acme", f"v{i}", engines) is target)
+        r = chat(gw, key, conversation_id=conv, steering={"vectors": [{"name": "calm"}]})
+        answers.add(text(r))
+        assert "acme~calm" in target.state.vectors
+    assert len(answers) == 1 and answers != {"echo"}
+
+
+def test_a_new_engine_gets_vectors_registered_before_it_joined(
+    start_gateway: Any, engines: list[FakeEngine], redis_url: str
+) -> None:
+    (first,) = start_engines(engines, 1)
+    gw1 = start_gateway(engine_urls=first.url, **FAST_POLL)
+    key = make_tenant(redis_url, "acme")
+    assert put_vector(gw1, key, "calm", 0.25).status_code == 201
+    before = text(chat(gw1, key, steering={"vectors": [{"name": "calm"}]}))
+    (_, second) = start_engines(engines, 1)
+    gw2 = start_gateway(engine_urls=second.url, **FAST_POLL)  # the new engine only
+    assert text(chat(gw2, key, steering={"vectors": [{"name": "calm"}]})) == before
+    assert "acme~calm" in second.state.vectors
+
+
+def test_tenant_delete_with_an_engine_down_leaves_no_trace_after_it_returns(
+    start_gateway: Any, engines: list[FakeEngine], redis_url: str
+) -> None:
+    start_engines(engines, 2)
+    gw = start_gateway(engine_urls=",".join(e.url for e in engines), **FAST_POLL)
+    key = make_tenant(redis_url, "acme")
+    keep = make_tenant(redis_url, "other")
+    assert put_vector(gw, key, "calm", 0.25).status_code == 201
+    assert put_vector(gw, keep, "calm", 0.5).status_code == 201
+    for i in range(8):
+        chat(gw, key, conversation_id=f"c{i}", steering=inline(0.1))
+    chat(gw, keep, conversation_id="k", steering=inline(0.2))
+    down = owner(gw, "acme", "c0", engines)
+    assert any(c.startswith("acme~") for c in down.state.latches)
+    stop(down)
+    r = httpx.delete(
+        gw.url + "/admin/tenants/acme", headers={"Authorization": f"Bearer {ADMIN_KEY}"}
+    )
+    assert r.status_code == 204
+    bring_back(down)
+
+    def clean() -> bool:
+        return not any(
+            k.startswith("acme~") for e in engines for k in (*e.state.latches, *e.state.vectors)
+        )
+
+    wait_for(clean, 5)
+    assert any(k.startswith("other~") for e in engines for k in e.state.vectors)
+
+
+# -- sync and the hot path -------------------------------------------------------------
+
+
+def test_engine_sync_removes_only_what_redis_does_not_hold(
+    gateway: ServerThread, fake_engine: FakeEngine, redis_url: str
+) -> None:
+    key = make_tenant(redis_url, "acme")
+    chat(gateway, key, conversation_id="kept", steering=inline(0.5))
+    fake_engine.state.plant_latch("acme~ghost")  # drift: Redis never heard of it
+    fake_engine.state.plant_latch("gone~x")  # a tenant that does not exist
+    fake_engine.state.plant_latch("direct-caller")  # unscoped: not the gateway's
+    svc = gateway.app.state.services
+    (engine,) = svc.engines.engines
+    assert gateway.call(svc.sync.sync(engine)) is True
+    assert set(fake_engine.state.latches) == {"acme~kept", "direct-caller"}
+
+
+def test_an_ordinary_request_is_one_redis_round_trip_and_a_restore_one_more(
+    start_gateway: Any, fake_engine: FakeEngine, redis_url: str
+) -> None:
+    gw = start_gateway(reconcile_interval_s=3600.0, engine_sync_interval_s=3600.0)
+    key = make_tenant(redis_url, "acme")
+    svc = gw.app.state.services
+    chat(gw, key, conversation_id="c", steering=inline(0.5))
+    chat(gw, key)  # warm: key cached, scripts loaded
+    settle_sha = svc.scripts.settle_request.sha
+    calls: list[tuple[Any, ...]] = []
+    original = svc.redis.execute_command
+
+    async def counting(*args: Any, **kw: Any) -> Any:
+        calls.append(args)
+        return await original(*args, **kw)
+
+    svc.redis.execute_command = counting
+
+    def round_trips(fn: Callable[[], Any]) -> int:
+        """Commands a request sends (settlement, batched off the path, and background
+        work are not the request's)."""
+        gw.call(svc.settler.drain())
+        calls.clear()
+        fn()
+        return sum(1 for c in calls if not (c[0] == "EVALSHA" and c[1] == settle_sha))
+
+    try:
+        assert round_trips(lambda: chat(gw, key)) == 1
+        assert round_trips(lambda: chat(gw, key, conversation_id="c")) == 1  # bridged
+        fake_engine.state.restart()
+        # + one read of the latch spec, to restore it
+        r: list[httpx.Response] = []
+        assert round_trips(lambda: r.append(chat(gw, key, conversation_id="c"))) == 2
+        assert r[0].headers["x-steering-latch"] == "restored"
+    finally:
+        svc.redis.execute_command = original

@@ -1,0 +1,302 @@
+"""The admin API (contract §3) against a live gateway, fake engine and real Redis."""
+
+# ruff: noqa: F811 - pytest fixtures are imported, then named as parameters
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from steergate.gateway.store import key_names as keys
+from tests.gateway.ops_env import ADMIN, Ops, bearer, ops  # noqa: F401 - fixture
+from tests.harness import redis_client
+
+ADMIN_ROUTES = [
+    ("POST", "/admin/tenants"),
+    ("GET", "/admin/tenants"),
+    ("GET", "/admin/tenants/acme"),
+    ("PATCH", "/admin/tenants/acme"),
+    ("DELETE", "/admin/tenants/acme"),
+    ("POST", "/admin/tenants/acme/keys"),
+    ("GET", "/admin/tenants/acme/keys"),
+    ("DELETE", "/admin/keys/key_0000"),
+    ("GET", "/admin/usage"),
+    ("GET", "/admin/engines"),
+]
+
+
+def _error(r: httpx.Response) -> dict:
+    body = r.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code", "request_id"}
+    assert isinstance(body["error"]["code"], str)
+    return body["error"]
+
+
+def test_admin_routes_refuse_tenant_keys_403_and_missing_or_wrong_keys_401(ops: Ops) -> None:
+    tenant_key = ops.tenant("acme")
+    for method, path in ADMIN_ROUTES:
+        r = httpx.request(method, ops.url + path, headers=bearer(tenant_key), json={})
+        assert r.status_code == 403, (method, path)
+        assert _error(r)["code"] == "permission_denied"
+        assert tenant_key not in r.text
+        for headers in ({}, bearer("admin-test-key-wrong"), {"Authorization": "Basic x"}):
+            r = httpx.request(method, ops.url + path, headers=headers, json={})
+            assert r.status_code == 401, (method, path, headers)
+            assert _error(r)["code"] == "invalid_api_key"
+    # Nothing was changed by the refused calls.
+    assert ops.admin("GET", "/admin/tenants/acme").status_code == 200
+
+
+def test_create_get_list_tenant_with_defaults_filled_and_no_secret_fields(ops: Ops) -> None:
+    r = ops.admin(
+        "POST",
+        "/admin/tenants",
+        json={"id": "acme", "name": "Acme", "limits": {"rpm": 30, "latch_bytes": 4096}},
+    )
+    assert r.status_code == 201
+    created = r.json()
+    assert created["id"] == "acme" and created["name"] == "Acme"
+    assert created["limits"]["rpm"] == 30 and created["limits"]["latch_bytes"] == 4096
+    assert created["limits"]["latch_policy"] == "evict_oldest"  # default
+    assert "cache_salt" not in r.text
+    assert ops.admin("GET", "/admin/tenants/acme").json() == created
+    ops.admin("POST", "/admin/tenants", json={"id": "beta"})
+    listed = ops.admin("GET", "/admin/tenants").json()["tenants"]
+    assert [t["id"] for t in listed] == ["acme", "beta"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "code"),
+    [
+        ({"id": "Bad_Id"}, "id", "invalid_tenant_id"),
+        ({"id": "x" * 33}, "id", "invalid_tenant_id"),
+        ({}, "id", "invalid_request"),
+        ({"id": "acme", "colour": "red"}, "colour", "invalid_request"),
+        ({"id": "acme", "name": 5}, "name", "invalid_request"),
+        ({"id": "acme", "limits": []}, "limits", "invalid_request"),
+        ({"id": "acme", "limits": {"rpm": 0}}, "limits.rpm", "invalid_request"),
+        ({"id": "acme", "limits": {"latch_bytes": -1}}, "limits.latch_bytes", "invalid_request"),
+        (
+            {"id": "acme", "limits": {"latch_policy": "lru"}},
+            "limits.latch_policy",
+            "invalid_request",
+        ),
+        ({"id": "acme", "limits": {"rmp": 5}}, "limits.rmp", "invalid_request"),
+        ({"id": "acme", "allow_overcommit": "yes"}, "allow_overcommit", "invalid_request"),
+    ],
+)
+def test_bad_tenant_input_is_400_naming_the_field(
+    ops: Ops, body: dict, param: str, code: str
+) -> None:
+    r = ops.admin("POST", "/admin/tenants", json=body)
+    assert r.status_code == 400, r.text
+    err = _error(r)
+    assert (err["param"], err["code"]) == (param, code)
+    assert err["type"] == "invalid_request_error"
+    assert ops.admin("GET", "/admin/tenants").json()["tenants"] == []
+
+
+def test_malformed_json_body_is_400(ops: Ops) -> None:
+    r = httpx.post(ops.url + "/admin/tenants", content=b"{nope", headers=ADMIN)
+    assert r.status_code == 400 and _error(r)["code"] == "invalid_json"
+    r = httpx.post(ops.url + "/admin/tenants", content=b"[1]", headers=ADMIN)
+    assert r.status_code == 400 and _error(r)["param"] == "body"
+
+
+def test_duplicate_tenant_is_409(ops: Ops) -> None:
+    assert ops.admin("POST", "/admin/tenants", json={"id": "acme"}).status_code == 201
+    r = ops.admin("POST", "/admin/tenants", json={"id": "acme"})
+    assert r.status_code == 409 and _error(r)["code"] == "tenant_exists"
+
+
+def test_overcommit_is_a_warning_by_default_shown_in_capacity(ops: Ops) -> None:
+    # The stub engine's caps: 1024 latches, 256 MiB. Two tenants of 600 latches overcommit;
+    # engines are caches, so that costs restores, not latches: allowed, and shown.
+    for tenant in ("a", "b"):
+        r = ops.admin(
+            "POST", "/admin/tenants", json={"id": tenant, "limits": {"latch_count": 600}}
+        )
+        assert r.status_code == 201
+    capacity = ops.admin("GET", "/admin/usage").json()["capacity"]
+    assert capacity["latch_count"]["allocated"] == 1200
+    assert capacity["latch_count"]["overcommitted"] is True
+
+
+def test_overcommit_is_409_unless_allowed_when_refused(start_gateway: Any) -> None:
+    ops = Ops(start_gateway(refuse_overcommit=True), None, "")  # type: ignore[arg-type]
+    ops.wait_for(
+        lambda: ops.admin("GET", "/admin/usage").json()["capacity"]["latch_count"][
+            "engine_cap_source"
+        ]
+        == "engines"
+    )
+    assert (
+        ops.admin(
+            "POST", "/admin/tenants", json={"id": "a", "limits": {"latch_count": 600}}
+        ).status_code
+        == 201
+    )
+    r = ops.admin("POST", "/admin/tenants", json={"id": "b", "limits": {"latch_count": 600}})
+    assert r.status_code == 409
+    assert (_error(r)["code"], _error(r)["param"]) == ("engine_overcommitted", "limits")
+    assert ops.admin("GET", "/admin/tenants/b").status_code == 404
+    capacity = ops.admin("GET", "/admin/usage").json()["capacity"]
+    assert capacity["latch_count"] == {
+        "allocated": 600,
+        "engine_cap": 1024,
+        "engine_cap_source": "engines",
+        "overcommitted": False,
+    }
+    r = ops.admin(
+        "POST",
+        "/admin/tenants",
+        json={"id": "b", "limits": {"latch_count": 600}, "allow_overcommit": True},
+    )
+    assert r.status_code == 201
+    capacity = ops.admin("GET", "/admin/usage").json()["capacity"]
+    assert capacity["latch_count"]["allocated"] == 1200
+    assert capacity["latch_count"]["overcommitted"] is True
+    # Raising a's quota further is still checked for a (b's flag is b's own).
+    r = ops.admin("PATCH", "/admin/tenants/a", json={"limits": {"latch_count": 700}})
+    assert r.status_code == 409
+
+
+def test_patch_changes_only_what_is_given(ops: Ops) -> None:
+    ops.admin("POST", "/admin/tenants", json={"id": "acme", "name": "Acme", "limits": {"rpm": 30}})
+    r = ops.admin("PATCH", "/admin/tenants/acme", json={"limits": {"tpm": 999}})
+    assert r.status_code == 200
+    t = r.json()
+    assert (t["name"], t["limits"]["rpm"], t["limits"]["tpm"]) == ("Acme", 30, 999)
+    r = ops.admin("PATCH", "/admin/tenants/acme", json={"name": "Acme Corp"})
+    assert r.json()["name"] == "Acme Corp" and r.json()["limits"]["tpm"] == 999
+    r = ops.admin("PATCH", "/admin/tenants/acme", json={"limits": {"max_concurrency": 0}})
+    assert r.status_code == 400 and _error(r)["param"] == "limits.max_concurrency"
+    r = ops.admin("PATCH", "/admin/tenants/acme", json={"id": "other"})
+    assert r.status_code == 400 and _error(r)["param"] == "id"
+
+
+def test_new_limits_apply_to_the_next_request(ops: Ops) -> None:
+    key = ops.tenant("acme", rpm=1)
+    assert ops.chat(key).status_code == 200
+    assert ops.chat(key).status_code == 429
+    ops.admin("PATCH", "/admin/tenants/acme", json={"limits": {"rpm": 1000}})
+    ops.wait_for(lambda: ops.chat(key).status_code == 200, timeout=3)
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("GET", "/admin/tenants/ghost"),
+        ("PATCH", "/admin/tenants/ghost"),
+        ("DELETE", "/admin/tenants/ghost"),
+        ("POST", "/admin/tenants/ghost/keys"),
+        ("GET", "/admin/tenants/ghost/keys"),
+        ("DELETE", "/admin/keys/key_ghost"),
+        ("GET", "/admin/usage?tenant=ghost"),
+    ],
+)
+def test_unknown_tenant_or_key_is_404(ops: Ops, method: str, path: str) -> None:
+    r = ops.admin(method, path, json={"name": "x"} if method == "PATCH" else None)
+    assert r.status_code == 404, r.text
+    assert _error(r)["code"] in {"tenant_not_found", "key_not_found"}
+
+
+def test_key_is_shown_once_listed_masked_and_revoked(ops: Ops) -> None:
+    ops.admin("POST", "/admin/tenants", json={"id": "acme"})
+    r = ops.admin("POST", "/admin/tenants/acme/keys")
+    assert r.status_code == 201
+    created = r.json()
+    key, key_id = created["key"], created["key_id"]
+    assert key.startswith("sk-sg-") and created["prefix"] == key[:12]
+    assert r.headers["cache-control"] == "no-store"
+    assert ops.get(key, "/v1/usage").status_code == 200
+    listed = ops.admin("GET", "/admin/tenants/acme/keys")
+    assert [k["key_id"] for k in listed.json()["keys"]] == [key_id]
+    assert key not in listed.text and key[12:20] not in listed.text
+    assert "hash" not in listed.json()["keys"][0]
+    assert ops.admin("DELETE", f"/admin/keys/{key_id}").status_code == 204
+    assert ops.get(key, "/v1/usage").status_code == 401
+    assert ops.admin("GET", "/admin/tenants/acme/keys").json()["keys"] == []
+    assert ops.admin("DELETE", f"/admin/keys/{key_id}").status_code == 404
+
+
+def test_delete_tenant_clears_keys_latches_vectors_in_redis_and_on_the_engine(
+    ops: Ops, redis_url: str
+) -> None:
+    key = ops.tenant("acme", latch_count=4, latch_bytes=4096)
+    other = ops.tenant("other", latch_count=4, latch_bytes=4096)
+    steering = {"vectors": [{"hook": "post_block", "layers": {"1": [0.5] * 8}}], "latch": True}
+    for k in (key, other):
+        assert ops.chat(k, conversation_id="c1", steering=steering).status_code == 200
+        r = httpx.put(
+            ops.url + "/v1/steering/vectors/calm",
+            headers=bearer(k),
+            json={"hook": "post_block", "layers": {"1": [0.1] * 8}},
+        )
+        assert r.status_code == 201, r.text
+    # Something the engine holds that Redis never heard of (drift): swept too.
+    ops.engine.plant_latch("acme~ghost")
+    ops.wait_for(lambda: ops.get(key, "/v1/usage").json()["quotas"]["latch_count"]["used"] == 1)
+
+    assert ops.admin("DELETE", "/admin/tenants/acme").status_code == 204
+
+    assert ops.admin("GET", "/admin/tenants/acme").status_code == 404
+    assert ops.get(key, "/v1/usage").status_code == 401
+    assert not [c for c in ops.engine.latches if c.startswith("acme~")]
+    assert not [n for n in ops.engine.vectors if n.startswith("acme~")]
+    client = redis_client(redis_url)
+    assert client.keys(f"*{keys.tag('acme')}*") == []
+    assert "acme" not in client.smembers(keys.TENANT_INDEX)
+    # The other tenant is untouched.
+    assert "other~c1" in ops.engine.latches and "other~calm" in ops.engine.vectors
+    assert ops.get(other, "/v1/usage").json()["quotas"]["latch_count"]["used"] == 1
+    # The id can be reused and starts empty.
+    fresh = ops.tenant("acme")
+    assert ops.get(fresh, "/v1/usage").json()["quotas"]["latch_count"]["used"] == 0
+
+
+def test_admin_usage_lists_every_tenant_and_filters_with_history(ops: Ops) -> None:
+    a = ops.tenant("a")
+    ops.tenant("b")
+    assert ops.chat(a).status_code == 200
+    doc = ops.admin("GET", "/admin/usage").json()
+    assert [t["tenant_id"] for t in doc["tenants"]] == ["a", "b"]
+    assert all("history" not in t for t in doc["tenants"])
+    ops.wait_for(
+        lambda: ops.admin("GET", "/admin/usage").json()["tenants"][0]["responses"]["2xx"] == 1
+    )
+    one = ops.admin("GET", "/admin/usage?tenant=b&history=true").json()["tenants"]
+    assert [t["tenant_id"] for t in one] == ["b"] and len(one[0]["history"]) == 60
+    r = ops.admin("GET", "/admin/usage?tenant=Not_An_Id")
+    assert r.status_code == 400 and _error(r)["param"] == "tenant"
+
+
+def test_admin_engines_reports_status_and_a_down_engine(start_gateway, ops: Ops) -> None:  # type: ignore[no-untyped-def]
+    key = ops.tenant("acme")
+    ops.chat(
+        key,
+        conversation_id="c1",
+        steering={"vectors": [{"hook": "post_block", "layers": {"1": [0.5] * 8}}], "latch": True},
+    )
+    engines = ops.admin("GET", "/admin/engines").json()["engines"]
+    assert len(engines) == 1 and engines[0]["up"] is True
+    assert engines[0]["status"]["latched_conversations"] == 1
+    assert engines[0]["status"]["max_latched_bytes"] == 268435456
+
+    from tests.harness import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    gw = start_gateway(engine_urls=f"{ops.engine_url},{dead}")
+    r = httpx.get(gw.url + "/admin/engines", headers=ADMIN, timeout=10)
+    by_url = {e["url"]: e for e in r.json()["engines"]}
+    assert by_url[ops.engine_url]["up"] is True
+    assert by_url[dead]["up"] is False and by_url[dead]["error"]
+
+
+def test_engine_urls_are_shown_without_credentials() -> None:
+    from steergate.gateway.engines.overview import display_url
+
+    assert display_url("http://user:secret@engine:8100") == "http://engine:8100"
+    assert display_url("http://engine:8100") == "http://engine:8100"

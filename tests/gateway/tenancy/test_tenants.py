@@ -1,0 +1,172 @@
+"""The data layer: tenants, keys, hashing, overcommit, cross-replica invalidation."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from steergate.gateway.store import key_names as keys
+from steergate.gateway.tenancy import api_keys as apikeys
+from steergate.gateway.tenancy.records import Limits
+from steergate.gateway.tenancy.tenants import TenantStore
+from steergate.shared.errors import APIError
+from tests.harness import aredis_client
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+PEPPER = "test-pepper"
+
+
+@pytest.fixture()
+async def store(redis_url: str):
+    client = aredis_client(redis_url)
+    yield TenantStore(client, PEPPER)
+    await client.aclose()
+
+
+async def test_key_is_random_256_bit_and_only_its_hmac_is_stored(store: TenantStore) -> None:
+    await store.create("acme")
+    key_id, key, prefix = await store.create_key("acme")
+    assert key.startswith("sk-sg-") and len(key) == 6 + 43 and prefix == key[:12]
+    dump = {k: await store.redis.dump(k) for k in await store.redis.keys("*")}
+    assert all(key.encode() not in (v or b"") for v in dump.values())
+    assert await store.redis.exists(keys.key_lookup(apikeys.hash_key(PEPPER, key)))
+    assert (await store.resolve_key(key)).id == "acme"  # type: ignore[union-attr]
+    listed = await store.list_keys("acme")
+    assert [k.public() for k in listed] == [
+        {
+            "key_id": key_id,
+            "tenant_id": "acme",
+            "name": "",
+            "prefix": prefix,
+            "scopes": ["inference", "vectors", "latches", "usage"],
+            "limits": {"rpm": None, "max_concurrency": None},
+            "created_at": listed[0].created_at,
+            "expires_at": None,
+            "last_used_at": None,
+            "previous_expires_at": None,
+        }
+    ]
+
+
+async def test_unknown_malformed_and_revoked_keys_resolve_to_none(store: TenantStore) -> None:
+    await store.create("acme")
+    key_id, key, _ = await store.create_key("acme")
+    assert await store.resolve_key("sk-sg-" + "A" * 43) is None
+    assert await store.resolve_key("not-a-key") is None
+    assert await store.resolve_key(key) is not None
+    assert await store.revoke_key(key_id) == "acme"
+    assert await store.resolve_key(key) is None
+    assert await store.revoke_key(key_id) is None
+
+
+async def test_cache_salt_is_never_in_the_public_dump(store: TenantStore) -> None:
+    t = await store.create("acme", name="Acme")
+    assert "cache_salt" not in t.model_dump() and "cache_salt" not in t.model_dump_json()
+    again = await store.get("acme")
+    assert (
+        again is not None and again.cache_salt.get_secret_value() == t.cache_salt.get_secret_value()
+    )
+
+
+async def test_duplicate_tenant_is_409_and_bad_id_is_400(store: TenantStore) -> None:
+    await store.create("acme")
+    with pytest.raises(APIError) as e:
+        await store.create("acme")
+    assert e.value.status == 409
+    with pytest.raises(APIError) as e:
+        await store.create("Bad_ID")
+    assert e.value.status == 400
+
+
+async def test_overcommit_is_allowed_by_default(redis_url: str) -> None:
+    client = aredis_client(redis_url)
+    store = TenantStore(client, PEPPER, engine_caps=lambda: (20, 10_000))
+    await store.create("a", limits={"latch_count": 100, "latch_bytes": 50_000})
+    await store.create("b", limits={"latch_count": 100})
+    assert [t.id for t in await store.list()] == ["a", "b"]
+    await client.aclose()
+
+
+async def test_refuse_overcommit_is_409_unless_allowed(redis_url: str) -> None:
+    client = aredis_client(redis_url)
+    store = TenantStore(
+        client, PEPPER, engine_caps=lambda: (20, 10_000), refuse_overcommit=True
+    )
+    await store.create("a", limits={"latch_count": 10, "latch_bytes": 5000})
+    await store.create("b", limits={"latch_count": 10, "latch_bytes": 5000})
+    with pytest.raises(APIError) as e:
+        await store.create("c", limits={"latch_count": 1, "latch_bytes": 0})
+    assert e.value.status == 409
+    with pytest.raises(APIError) as e:
+        await store.update("b", {"limits": {"latch_bytes": 5001}})
+    assert e.value.status == 409
+    await store.update("b", {"limits": {"latch_count": 5}})  # lowering is always fine
+    await store.create("c", limits={"latch_count": 5, "latch_bytes": 0})
+    await store.create("d", limits={"latch_count": 99}, allow_overcommit=True)
+    assert [t.id for t in await store.list()] == ["a", "b", "c", "d"]
+    await client.aclose()
+
+
+async def test_update_merges_partial_limits_and_rejects_bad_values(store: TenantStore) -> None:
+    await store.create("acme", limits=Limits(rpm=5))
+    t = await store.update("acme", {"limits": {"tpm": 77}, "name": "New"})
+    assert (t.limits.rpm, t.limits.tpm, t.name) == (5, 77, "New")
+    with pytest.raises(APIError) as e:
+        await store.update("acme", {"limits": {"rpm": -1}})
+    assert e.value.status == 400 and e.value.param == "limits.rpm"
+
+
+async def test_delete_clears_every_tenant_key_and_calls_engine_cleanup(redis_url: str) -> None:
+    client = aredis_client(redis_url)
+    seen: list[tuple[str, list[str], list[str]]] = []
+
+    async def cleanup(tid: str, latches: list[str], vectors: list[str]) -> None:
+        seen.append((tid, latches, vectors))
+
+    store = TenantStore(client, PEPPER, on_deleted=cleanup)
+    await store.create("acme")
+    await store.create("other")
+    _, key, _ = await store.create_key("acme")
+    await client.zadd(keys.latches("acme"), {"c1": 1})
+    await client.hset(keys.vectors("acme"), "calm", "{}")
+    await client.hset(keys.usage_minute("acme", int(time.time()) // 60), "requests", 3)
+    assert await store.delete("acme") is True
+    assert await store.resolve_key(key) is None
+    left = await client.keys("*")
+    assert not [k for k in left if "acme" in k], left
+    assert seen == [("acme", ["c1"], ["calm"])]
+    assert await store.delete("acme") is False
+    await client.aclose()
+
+
+async def test_revocation_reaches_another_replicas_cache_within_1s(redis_url: str) -> None:
+    a = TenantStore(aredis_client(redis_url), PEPPER)
+    b = TenantStore(aredis_client(redis_url), PEPPER)
+    stop = asyncio.Event()
+    listener = asyncio.create_task(b.events.listen(stop))
+    await a.create("acme")
+    key_id, key, _ = await a.create_key("acme")
+    await asyncio.sleep(0.3)  # subscription established (it clears the cache once)
+    assert (await b.resolve_key(key)) is not None and len(b.cache) == 1
+    t0 = time.monotonic()
+    await a.revoke_key(key_id)
+    while len(b.cache) and time.monotonic() - t0 < 2:
+        await asyncio.sleep(0.01)
+    elapsed = time.monotonic() - t0
+    assert elapsed < 1.0 and await b.resolve_key(key) is None
+    stop.set()
+    await listener
+    await a.redis.aclose()
+    await b.redis.aclose()
+
+
+async def test_the_same_store_works_on_the_embedded_fakeredis() -> None:
+    import fakeredis
+
+    store = TenantStore(fakeredis.FakeAsyncRedis(decode_responses=True), PEPPER)
+    await store.create("acme")
+    _, key, _ = await store.create_key("acme")
+    assert (await store.resolve_key(key)).id == "acme"  # type: ignore[union-attr]
