@@ -14,11 +14,14 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware import Middleware
 
+from steergate.gateway.admission import refusals
 from steergate.gateway.admission.bodies import BodyParser
 from steergate.gateway.admission.limits import Limiter
+from steergate.gateway.admission.refusals import Refused
 from steergate.gateway.admission.request_scoping import InlineBudget
 from steergate.gateway.admission.settlement import Settler
 from steergate.gateway.deps import Services
@@ -48,7 +51,7 @@ from steergate.gateway.store.connection import Redis, connect
 from steergate.gateway.store.scripts import Scripts
 from steergate.gateway.tenancy.tenants import TenantStore
 from steergate.shared import request_id
-from steergate.shared.errors import APIError, code_for_status, error_body, spec
+from steergate.shared.errors import APIError, code_for_status, render
 from steergate.shared.openai_errors import OpenAIErrorMiddleware
 from steergate.shared.request_id import RequestIdMiddleware
 from steergate.shared.settings import GatewaySettings
@@ -104,6 +107,7 @@ def build_services(
         engine_caps=pool.caps,
         on_deleted=on_tenant_deleted,
         refuse_overcommit=settings.refuse_overcommit,
+        scripts=scripts,
     )
     # Settlement is Redis work only: a latch Redis no longer holds is never bridged by an
     # engine (steergate_expect), and the engine sync deletes its copy.
@@ -162,6 +166,10 @@ def create_app(settings: GatewaySettings | None = None, *, redis: Redis | None =
             with contextlib.suppress(Exception):
                 await svc.redis.aclose()
 
+    # The app's own registry; ``GET /metrics`` (in ``ROUTERS``) serves it.
+    metrics = Metrics()
+    tracing.enable()  # OTEL_EXPORTER_OTLP_*: steergate/gateway/edge/tracing.py
+    request_id.install_log_records()
     # No /docs or /redoc (FastAPI's load Swagger UI / ReDoc from a CDN), and the schema
     # only behind the admin key: see steergate/gateway/edge/openapi.py.
     app = FastAPI(
@@ -171,20 +179,32 @@ def create_app(settings: GatewaySettings | None = None, *, redis: Redis | None =
         openapi_url=None,
         docs_url=None,
         redoc_url=None,
+        middleware=middleware(settings, metrics),
     )
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.state.metrics = metrics
     _install_error_handlers(app)
     for router_module in ROUTERS:
         app.include_router(router_module.router)
-    _install_metrics(app)
     openapi.install(app)
-    tracing.install(app)  # OTEL_EXPORTER_OTLP_*: steergate/gateway/edge/tracing.py
-    # Outermost, added last: every response (the 413, a 500, a 429 counted by the
-    # metrics middleware) leaves in the one error shape and with its request id.
-    request_id.install_log_records()
-    app.add_middleware(OpenAIErrorMiddleware)
-    app.add_middleware(RequestIdMiddleware)
     return app
+
+
+def middleware(settings: GatewaySettings, metrics: Metrics) -> list[Middleware]:
+    """The gateway's ASGI stack, outermost first (each sees what the ones after it send)."""
+    return [
+        # Every response, and every log line written while serving it, carries the
+        # request id.
+        Middleware(RequestIdMiddleware),
+        # Every error leaves in the one shape: the 413 below, a 500, a 429 the
+        # metrics count.
+        Middleware(OpenAIErrorMiddleware),
+        # The request's server span (or the client's traceparent, passed on).
+        Middleware(tracing.TraceMiddleware),
+        # Each tenant request as the client saw it, after its last byte.
+        Middleware(MetricsMiddleware, metrics=metrics, on_rejection=record_rejection),
+        # Innermost: an oversized body is refused before anything reads it.
+        Middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes),
+    ]
 
 
 async def _start_engines(svc: Services, stop: asyncio.Event) -> None:
@@ -200,47 +220,38 @@ async def _start_engines(svc: Services, stop: asyncio.Event) -> None:
             await asyncio.wait_for(stop.wait(), svc.settings.reconcile_interval_s)
 
 
-def _install_metrics(app: FastAPI) -> None:
-    """The app's own registry (``app.state.metrics``) and the middleware that observes
-    every tenant request at the ASGI edge; ``GET /metrics`` is in ``ROUTERS``."""
-    app.state.metrics = Metrics()
-    app.add_middleware(MetricsMiddleware, metrics=app.state.metrics, on_rejection=record_rejection)
+def _respond(request: Request, exc: APIError) -> Response:
+    if isinstance(exc, Refused):  # the metrics middleware counts it by its cause
+        setattr(request.state, refusals.STATE_KEY, exc.refusal)
+    out = render(exc)
+    return Response(out.body, status_code=out.status, headers=out.headers)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
-    async def api_error(request: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, APIError)
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    """Every error the app raises becomes an ``APIError``, answered by ``_respond``."""
 
-    async def http_error(request: Request, exc: Exception) -> JSONResponse:
+    async def api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, APIError)
+        return _respond(request, exc)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
         status = exc.status_code
-        code = code_for_status(status)
         message = str(exc.detail)
         if status == 404:  # OpenAI's words for a route that does not exist
             message = f"Invalid URL ({request.method} {request.url.path})"
-        kind = spec(code).type if spec(code).status else "invalid_request_error"
-        return JSONResponse(error_body(message, kind, None, code), status_code=status)
+        return _respond(request, APIError(code_for_status(status), message, status=status))
 
-    async def validation_error(request: Request, exc: Exception) -> JSONResponse:
+    async def validation_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
         first: dict[str, Any] = exc.errors()[0] if exc.errors() else {}
         param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return JSONResponse(
-            error_body(
-                f"Invalid request: {first.get('msg', 'bad input')}",
-                "invalid_request_error",
-                param,
-                "invalid_request",
-            ),
-            status_code=400,
-        )
+        message = f"Invalid request: {first.get('msg', 'bad input')}"
+        return _respond(request, APIError("invalid_request", message, param=param))
 
-    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+    async def unexpected(request: Request, exc: Exception) -> Response:
         log.error("unhandled error on %s: %s", request.url.path, type(exc).__name__)
-        return JSONResponse(
-            error_body("Internal error.", "server_error", None, "internal_error"), status_code=500
-        )
+        return _respond(request, APIError("internal_error", "Internal error."))
 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(StarletteHTTPException, http_error)

@@ -3,11 +3,10 @@ Starlette request objects, so nothing buffers a streamed response)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from steergate.shared.errors import APIError
+from steergate.shared.errors import APIError, render
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -33,33 +32,14 @@ def replace_header(headers: RawHeaders, name: bytes, value: bytes | None) -> Raw
     return out
 
 
-async def send_json(
-    send: Send,
-    status: int,
-    body: Any,
-    extra_headers: RawHeaders | None = None,
-    *,
-    more_body: bool = False,
-) -> None:
-    """``more_body=True`` sends the whole JSON body but leaves the response open (the
-    caller ends it with an empty body message), e.g. to drain the request first."""
-    raw = json.dumps(body, separators=(",", ":")).encode()
-    headers: RawHeaders = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(raw)).encode()),
-        *(extra_headers or []),
-    ]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": raw, "more_body": more_body})
-
-
 async def send_error(
     send: Send, exc: APIError, extra_headers: RawHeaders | None = None, *, more_body: bool = False
 ) -> None:
-    headers = [(k.lower().encode(), v.encode()) for k, v in exc.headers.items()]
-    await send_json(
-        send, exc.status, exc.body(), [*headers, *(extra_headers or [])], more_body=more_body
-    )
+    """``exc`` as :func:`shared.errors.render` renders it, from raw ASGI."""
+    out = render(exc)
+    headers = [*out.raw_headers(), *(extra_headers or [])]
+    await send({"type": "http.response.start", "status": out.status, "headers": headers})
+    await send({"type": "http.response.body", "body": out.body, "more_body": more_body})
 
 
 async def read_body(receive: Receive) -> bytes | None:

@@ -1,4 +1,5 @@
-"""Vector codecs: JSON float lists, packed base64 tensors, GGUF control vectors.
+"""Vector codecs: JSON float lists and packed base64 tensors (GGUF control vectors:
+``steergate/shared/gguf.py``).
 
 All decoders return float32 numpy arrays, the one in-memory form both sides use.
 Packed data is little-endian; bfloat16 has no numpy dtype, so it is widened by a
@@ -7,12 +8,9 @@ Packed data is little-endian; bfloat16 has no numpy dtype, so it is widened by a
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
 import hashlib
-import os
-import tempfile
 from collections.abc import Mapping
 
 import numpy as np
@@ -93,56 +91,3 @@ def vector_digest(hook: str, layers: Mapping[int, np.ndarray]) -> str:
         h.update(int(layer).to_bytes(4, "little"))
         h.update(np.asarray(layers[layer], dtype="<f4").tobytes())
     return h.hexdigest()
-
-
-#: Wall-clock bound on one GGUF parse, queueing for a worker thread included.
-GGUF_PARSE_TIMEOUT_S = 5.0
-
-
-def decode_gguf_control_vector(raw: bytes, max_bytes: int | None = None) -> dict[int, np.ndarray]:
-    """Layer -> float32 direction from a llama.cpp / repeng control-vector file.
-
-    Tensors are named ``direction.N`` and apply at ``post_block`` of layer N (the
-    convention llama.cpp uses when it applies them after layer N's output). The
-    reader is bounded (``steergate/shared/gguf.py``); servers call ``decode_gguf_off_loop``.
-    """
-    from steergate.shared.gguf import read_control_vector  # it imports this module
-
-    return read_control_vector(raw, max_bytes)
-
-
-async def decode_gguf_off_loop(
-    raw: bytes, *, max_bytes: int | None = None, timeout_s: float = GGUF_PARSE_TIMEOUT_S
-) -> dict[int, np.ndarray]:
-    """``decode_gguf_control_vector`` in a worker thread, bounded in time, so an
-    upload never holds the event loop (every other tenant's requests) while it parses."""
-    try:
-        return await asyncio.wait_for(
-            asyncio.to_thread(decode_gguf_control_vector, raw, max_bytes), timeout_s
-        )
-    except TimeoutError as exc:
-        raise CodecError(f"could not be read within {timeout_s:g} s") from exc
-
-
-def encode_gguf_control_vector(
-    layers: Mapping[int, np.ndarray], model_hint: str = "llama"
-) -> bytes:
-    """Write a repeng-style control-vector GGUF (used by tests and the CLI)."""
-    from gguf import GGUFWriter
-
-    fd, path = tempfile.mkstemp(suffix=".gguf")
-    os.close(fd)
-    try:
-        writer = GGUFWriter(path, "controlvector")
-        writer.add_string("controlvector.model_hint", model_hint)
-        writer.add_uint32("controlvector.layer_count", len(layers))
-        for layer in sorted(layers):
-            writer.add_tensor(f"direction.{layer}", np.asarray(layers[layer], dtype=np.float32))
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        with open(path, "rb") as fh:
-            return fh.read()
-    finally:
-        os.unlink(path)

@@ -25,6 +25,7 @@ Retry semantics (``Retry``), read by the official SDKs:
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from enum import Enum
@@ -238,29 +239,25 @@ class APIError(Exception):
     """An error that is safe to show the client as it is (no secrets, no scoped ids).
 
     ``APIError(code, message, param=..., headers=..., retry_after_ms=...)``: status
-    and type come from :data:`REGISTRY`. (The older ``APIError(status, code,
-    message)`` is still accepted so concurrent work keeps running; the status it
-    passes is ignored for a registered code, and the registry test flags it.)
+    and type come from :data:`REGISTRY`; ``status`` only for ``http_error``, the one
+    code that stands for any status. :func:`render` turns it into what is sent.
     """
 
     def __init__(
         self,
-        code: str | int,
+        code: str,
         message: str,
-        *legacy: str,
+        *,
         param: str | None = None,
         headers: dict[str, str] | None = None,
         retry_after_ms: int | None = None,
+        status: int | None = None,
     ) -> None:
-        status_hint = 0
-        if isinstance(code, int):  # legacy (status, code, message)
-            status_hint, code, message = code, message, legacy[0] if legacy else ""
         super().__init__(message)
-        self.code: str = code
+        self.code = code
         self.message = message
         self.param = param
-        entry = spec(code)
-        self.status: int = entry.status or status_hint or 500
+        self.status: int = spec(code).status or status or 500
         self.headers = {**retry_headers(code, retry_after_ms), **(headers or {})}
 
     @property
@@ -270,6 +267,28 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """An error as it is sent: its status, its headers (``content-type`` included) and
+    its JSON body."""
+
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def raw_headers(self) -> list[tuple[bytes, bytes]]:
+        """The headers for an ASGI ``http.response.start``, ``content-length`` too."""
+        out = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()]
+        return [*out, (b"content-length", str(len(self.body)).encode())]
+
+
+def render(exc: APIError) -> Rendered:
+    """The one rendering of an :class:`APIError`: the error handlers of both apps, the
+    raw-ASGI middlewares and a stream's ``data: {"error": ...}`` event all send this."""
+    body = json.dumps(exc.body(), separators=(",", ":"), ensure_ascii=False).encode()
+    return Rendered(exc.status, {"content-type": "application/json", **exc.headers}, body)
 
 
 class InvalidField(APIError):

@@ -22,7 +22,16 @@ import logging
 from typing import Any
 
 from steergate.shared import errors
-from steergate.shared.asgi import ASGIApp, Message, Receive, Scope, Send, header, replace_header
+from steergate.shared.asgi import (
+    ASGIApp,
+    Message,
+    Receive,
+    Scope,
+    Send,
+    header,
+    replace_header,
+    send_error,
+)
 
 log = logging.getLogger("steergate.errors")
 
@@ -94,12 +103,7 @@ class OpenAIErrorMiddleware:
                 # The error is re-raised (for the server's log) and the server then
                 # closes the connection: say so, or a keep-alive client (the gateway's
                 # pool) sends its next request on a connection that is being closed.
-                await _send_shaped(
-                    send,
-                    {"type": "http.response.start", "status": 500, "headers": []},
-                    json.dumps(exc.body()).encode(),
-                    {**exc.headers, "connection": "close"},
-                )
+                await send_error(send, exc, [(b"connection", b"close")])
             raise
 
 

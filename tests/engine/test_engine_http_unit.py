@@ -23,7 +23,8 @@ from steergate.engine.http.plugin import SteeringEndpointPlugin
 from steergate.engine.http.rewrite import MAX_CACHE_SALT, SteeringRewriteMiddleware, salted
 from steergate.engine.http.runtime import RuntimeRef, SteeringRuntime
 from steergate.engine.payload import decode_payload, steering_digest
-from steergate.shared.codecs import encode_gguf_control_vector, encode_packed
+from steergate.shared.codecs import encode_packed
+from steergate.shared.gguf import encode_gguf_control_vector
 from steergate.shared.settings import EngineSettings
 from steergate.shared.steering import ModelShape
 

@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
-from steergate.shared.codecs import encode_gguf_control_vector
+from steergate.shared.gguf import encode_gguf_control_vector
 from steergate.shared.jsondepth import json_too_deep
 from tests.engine.test_engine_http_unit import AUTH, HIDDEN, LAYERS, chat, make_app
 

@@ -3,12 +3,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from steergate.shared.codecs import (
-    decode_gguf_control_vector,
-    encode_gguf_control_vector,
-    vector_digest,
-)
+from steergate.shared.codecs import vector_digest
 from steergate.shared.errors import InvalidField
+from steergate.shared.gguf import decode_gguf_control_vector, encode_gguf_control_vector
 from steergate.shared.scoping import check_conversation_id, scope, unscope
 
 

@@ -5,7 +5,10 @@ docs/api.md's table is the registry's (``scripts/error_table.py``)."""
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
+
+import pytest
 
 from scripts import error_table
 from steergate.shared import errors
@@ -42,10 +45,7 @@ def _code_of(call: ast.Call) -> ast.expr | None:
     for kw in call.keywords:
         if kw.arg == keyword:
             return kw.value
-    args = call.args
-    if args and isinstance(args[0], ast.Constant) and isinstance(args[0].value, int):
-        args = args[1:]  # the legacy (status, code, message) form; flagged below
-    return args[index] if len(args) > index else None
+    return call.args[index] if len(call.args) > index else None
 
 
 def test_every_raised_code_is_registered() -> None:
@@ -58,15 +58,21 @@ def test_every_raised_code_is_registered() -> None:
     assert not unknown, where + "\n".join(unknown)
 
 
-def test_no_call_passes_a_status_the_registry_owns() -> None:
-    legacy = [
-        f"{path.relative_to(ROOT)}:{call.lineno}"
-        for path, call in _calls()
-        if call.args
-        and isinstance(call.args[0], ast.Constant)
-        and isinstance(call.args[0].value, int)
-    ]
-    assert not legacy, "APIError(status, code, ...): drop the status (the registry has it)"
+def test_the_status_comes_from_the_registry_not_the_caller() -> None:
+    with pytest.raises(TypeError):
+        errors.APIError("not_found", "x", "a third positional value")  # type: ignore[misc]
+    assert errors.APIError("not_found", "x", status=418).status == 404
+    assert errors.APIError("http_error", "x", status=418).status == 418
+
+
+def test_render_sends_the_body_status_and_retry_headers() -> None:
+    exc = errors.APIError("rate_limit_exceeded", "slow down", retry_after_ms=1500)
+    out = errors.render(exc)
+    assert out.status == 429
+    assert json.loads(out.body) == exc.body()
+    assert out.headers["content-type"] == "application/json"
+    assert out.headers["retry-after"] == "2" and out.headers["x-should-retry"] == "true"
+    assert (b"content-length", str(len(out.body)).encode()) in out.raw_headers()
 
 
 def test_every_registered_code_is_used_somewhere() -> None:

@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from steergate.shared import gguf as bounded
-from steergate.shared.codecs import (
-    CodecError,
+from steergate.shared.codecs import CodecError
+from steergate.shared.gguf import (
     decode_gguf_control_vector,
     decode_gguf_off_loop,
     encode_gguf_control_vector,

@@ -19,6 +19,7 @@ from argparse import Namespace
 from typing import Any
 
 from fastapi import FastAPI
+from starlette.middleware import Middleware
 
 from steergate.engine.http.auth import EngineTokenMiddleware
 from steergate.engine.http.capture import CaptureSupport
@@ -50,15 +51,20 @@ class SteeringEndpointPlugin:
         token = (
             self.settings.engine_token.get_secret_value() if self.settings.engine_token else None
         )
-        # add_middleware prepends: the last added is the outermost.
-        app.add_middleware(SteeringRewriteMiddleware, runtime=self.runtime)
-        app.add_middleware(JsonDepthMiddleware)  # before anything parses a body
-        app.add_middleware(EngineTokenMiddleware, token=token)
-        # Outermost of ours: vLLM's own errors (``"code": 400``) and ours leave in one
-        # shape, every response carries the gateway's request id, and every log line
-        # written while serving it ends with it (steergate/shared/request_id.py).
-        app.add_middleware(OpenAIErrorMiddleware)
-        app.add_middleware(RequestIdMiddleware)
+        # Ours, outermost first, all outside vLLM's own: every response carries the
+        # gateway's request id and every log line written while serving it ends with it
+        # (shared/request_id.py); vLLM's errors (``"code": 400``) and ours leave in one
+        # shape; the token is checked, then the JSON depth before anything parses a
+        # body; then the steering rewrite.
+        stack = [
+            Middleware(RequestIdMiddleware),
+            Middleware(OpenAIErrorMiddleware),
+            Middleware(EngineTokenMiddleware, token=token),
+            Middleware(JsonDepthMiddleware),
+            Middleware(SteeringRewriteMiddleware, runtime=self.runtime),
+        ]
+        for entry in reversed(stack):  # add_middleware prepends: add the innermost first
+            app.add_middleware(entry.cls, *entry.args, **entry.kwargs)
         request_id.install_log_records()
         redact_access_log()
 

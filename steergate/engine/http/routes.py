@@ -16,8 +16,9 @@ from fastapi.responses import JSONResponse
 
 from steergate.engine.http.runtime import RuntimeRef
 from steergate.shared import engine_api
-from steergate.shared.codecs import CodecError, decode_gguf_off_loop
-from steergate.shared.errors import APIError, InvalidField
+from steergate.shared.codecs import CodecError
+from steergate.shared.errors import APIError, InvalidField, render
+from steergate.shared.gguf import decode_gguf_off_loop
 from steergate.shared.scoping import ENGINE_CONVERSATION_ID_RE, ENGINE_VECTOR_NAME_RE
 from steergate.shared.steering import check_vectors, parse_vector_body
 
@@ -30,7 +31,8 @@ def _openai_errors(handler: Handler) -> Handler:
         try:
             return await handler(*args, **kwargs)
         except APIError as exc:
-            return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+            out = render(exc)
+            return Response(out.body, status_code=out.status, headers=out.headers)
 
     return wrapper
 

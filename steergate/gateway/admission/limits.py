@@ -13,13 +13,15 @@ import logging
 import math
 import secrets
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from steergate.gateway.admission import refusals
+from steergate.gateway.admission.admitted import Admission
+from steergate.gateway.admission.refusals import Refused
 from steergate.gateway.edge.tracing import span
 from steergate.gateway.store import key_names as keys
 from steergate.gateway.store.connection import store_errors, store_unavailable
-from steergate.gateway.store.scripts import Scripts, evalsha
+from steergate.gateway.store.scripts import AdmitRequest, Scripts
 from steergate.gateway.tenancy.records import Tenant
 from steergate.shared.errors import APIError
 
@@ -37,68 +39,10 @@ LATE = 5
 #: after its client gave up is released by its cancellation (``Settler.cancel``).
 DEADLINE_SLACK_S = 0.5
 
-_REJECTIONS = {
-    1: (
-        "rate_limit_exceeded",
-        "Rate limit reached for requests per minute ({limit}). Retry in {retry}.",
-    ),
-    2: (
-        "rate_limit_exceeded",
-        "Rate limit reached for tokens per minute ({limit}). Retry in {retry}.",
-    ),
-    3: ("concurrency_limit_exceeded", "Too many concurrent requests (limit {limit})."),
-    4: (
-        "latch_quota_exceeded",
-        "Storing this latch would exceed the tenant's latch quota; waiting does not help: "
-        "delete a latch (DELETE /v1/steering/latches/{{conversation_id}}) to make room.",
-    ),
-    6: (
-        "budget_exceeded",
-        "The tenant's token budget ({limit} tokens per {period}) is spent; it renews in "
-        "{retry} (UTC {period} start).",
-    ),
-    7: (
-        "rate_limit_exceeded",
-        "Rate limit reached for requests per minute of this API key ({limit}). Retry in {retry}.",
-    ),
-    8: (
-        "concurrency_limit_exceeded",
-        "Too many concurrent requests of this API key (limit {limit}).",
-    ),
-}
-
 
 def period_left_ms(now_ms: int, period: str) -> int:
     """Milliseconds until the UTC day or calendar month after ``now_ms`` starts."""
     return keys.period_end_s(now_ms / 1000, period) * 1000 - now_ms
-
-
-@dataclass
-class Admission:
-    """An admitted request: what settlement and the response need."""
-
-    tenant: Tenant
-    lease_id: str
-    reserved_tokens: int
-    conversation_id: str | None
-    latch: bool
-    #: The conversation's ledger entry before this request ("bytes:kind[:digest]", "").
-    prev_latch: str
-    evicted: list[str]
-    headers: dict[str, str] = field(default_factory=dict)
-    unmetered: bool = False
-    #: Current content digest of each named vector the request uses ("" = no such vector).
-    vector_digests: dict[str, str] = field(default_factory=dict)
-    #: When the lease expires unless renewed (ms, this gateway's clock).
-    lease_expiry_ms: int = 0
-    #: The API key that made the request ("" for none): its rollups and its own limits.
-    key_id: str = ""
-
-    @property
-    def latch_digest(self) -> str:
-        """Digest of the latch Redis holds for the conversation ("" = none)."""
-        parts = self.prev_latch.split(":")
-        return parts[2] if len(parts) > 2 else ""
 
 
 def estimate_tokens(body: dict[str, Any]) -> int:
@@ -190,7 +134,7 @@ class Limiter:
         self.settler = settler
         self.deadline_s = redis_timeout_s + DEADLINE_SLACK_S if redis_timeout_s > 0 else 0.0
         #: A latch being stored that no live request has touched for this long was
-        #: abandoned (admit_request.lua, ARGV[17]); live ones are touched every TTL/2.
+        #: abandoned (``AdmitRequest.pending_horizon_ms``); live ones are touched every TTL/2.
         self.pending_horizon_ms = 2 * self.lease_ttl_ms
 
     @staticmethod
@@ -217,7 +161,6 @@ class Limiter:
         key_conc = (api_key.limits.max_concurrency or 0) if api_key else 0
         budget = lim.token_budget
         now_ms = int(time.time() * 1000)
-        minute = now_ms // 60000
         lease_id = self.new_lease_id()
         cost = min(tokens, lim.tpm)
         expiry_ms = now_ms + self.lease_ttl_ms
@@ -228,44 +171,30 @@ class Limiter:
         )
         # Leases of this tenant's finished requests, released by this same call.
         finished = self.settler.leases.take_finished(tenant.id) if self.settler else []
-        args = [
-            now_ms,
-            lim.rpm,
-            lim.tpm,
-            cost,
-            lim.max_concurrency,
-            lease_id,
-            expiry_ms,
-            conversation_id or "",
-            "1" if latch else "0",
-            latch_bytes,
-            latch_kind,
-            lim.latch_count,
-            lim.latch_bytes,
-            lim.latch_policy,
-            keys.USAGE_MINUTE_TTL_S,
-            deadline,
-            self.pending_horizon_ms,
-            key_id,
-            key_rpm,
-            key_conc,
-            budget.tokens if budget else 0,
-            budget.period if budget else "day",
-            period_left_ms(now_ms, budget.period) if budget else 0,
-            keys.USAGE_DAY_TTL_S,
-            len(vector_names or ()),
-            *(vector_names or ()),
-            len(finished),
-            *finished,
-        ]
+        call = AdmitRequest(
+            tenant_id=tenant.id,
+            now_ms=now_ms,
+            limits=lim,
+            cost=cost,
+            lease_id=lease_id,
+            lease_expiry_ms=expiry_ms,
+            conversation_id=conversation_id or "",
+            store_latch=latch,
+            latch_bytes=latch_bytes,
+            latch_kind=latch_kind,
+            deadline_ms=deadline,
+            pending_horizon_ms=self.pending_horizon_ms,
+            key_id=key_id,
+            key_rpm=key_rpm,
+            key_concurrency=key_conc,
+            budget_left_ms=period_left_ms(now_ms, budget.period) if budget else 0,
+            vector_names=vector_names or (),
+            finished_leases=finished,
+        )
         try:
             async with store_errors():
                 with span("admission", tenant_id=tenant.id):
-                    r = await evalsha(
-                        self.scripts.admit_request,
-                        keys.admit_keys(tenant.id, minute, key_id),
-                        args,
-                    )
+                    r = await self.scripts.run(call)
         except APIError:
             if self.settler is not None:  # it may still run (a hung Redis replays it)
                 lost = Admission(
@@ -276,9 +205,7 @@ class Limiter:
             if not self.fail_open:
                 raise
             log.warning("rate-limit store unavailable: admitting UNMETERED (fail-open is set)")
-            return Admission(
-                tenant, lease_id, 0, conversation_id, False, "", [], unmetered=True
-            )
+            return Admission(tenant, lease_id, 0, conversation_id, False, "", [], unmetered=True)
         headers = _headers(tenant, r)
         names = list(vector_names or ())
         n_names = len(names)
@@ -329,31 +256,31 @@ def _rejection(
     headers: dict[str, str],
     key_rpm: int = 0,
     key_conc: int = 0,
-) -> APIError:
-    """The 429 for an admission refusal. Only a rate limit (GCRA) knows when it will
-    pass: it carries that exact time (``Retry-After`` / ``retry-after-ms``). The
-    concurrency limit passes when a running request ends (unknown: the client backs
-    off on its own), the latch quota never by waiting (``x-should-retry: false``);
-    the registry in ``steergate/shared/errors.py`` sets those headers from the code."""
-    code, template = _REJECTIONS[status]
+) -> Refused:
+    """The 429 for an admission refusal (``gateway/refusals.py``). Only a rate limit
+    (GCRA) knows when it will pass: it carries that exact time (``Retry-After`` /
+    ``retry-after-ms``). The concurrency limit passes when a running request ends
+    (unknown: the client backs off on its own), the latch quota never by waiting
+    (``x-should-retry: false``); the registry in ``shared/errors.py`` sets those
+    headers from the code. A budget passes when its period rolls over: Retry-After says
+    when, though x-should-retry is false (retrying sooner cannot help)."""
+    refusal = refusals.BY_STATUS[status]
     retry_ms = max(1, retry_ms)
     lim = tenant.limits
     budget = lim.token_budget
-    limit = {
-        1: lim.rpm,
-        2: lim.tpm,
-        3: lim.max_concurrency,
-        6: budget.tokens if budget else 0,
-        7: key_rpm,
-        8: key_conc,
-    }.get(status, 0)
-    period = budget.period if budget else "day"
-    message = template.format(limit=limit, retry=duration(retry_ms), period=period)
-    return APIError(
-        code,
-        message,
+    limits = {
+        "rpm": lim.rpm,
+        "tpm": lim.tpm,
+        "max_concurrency": lim.max_concurrency,
+        "token_budget": budget.tokens if budget else 0,
+        "key_rpm": key_rpm,
+        "key_max_concurrency": key_conc,
+    }
+    return Refused(
+        refusal,
         headers=headers,
-        # A budget passes when its period rolls over: Retry-After says when, though
-        # x-should-retry is false (the registry's: retrying sooner cannot help).
-        retry_after_ms=retry_ms if status in (1, 2, 6, 7) else None,
+        retry_after_ms=retry_ms if refusal.says_when else None,
+        limit=limits.get(refusal.limit, 0),
+        retry=duration(retry_ms),
+        period=budget.period if budget else "day",
     )

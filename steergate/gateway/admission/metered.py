@@ -1,17 +1,94 @@
-"""One engine call on a tenant's behalf that is not inference (the model list, the
-tokenizer): admitted, counted and settled like an inference request (one request
-against requests/min and concurrency, no tokens), so anything the gateway proxies
-is metered."""
+"""Admission and settlement as one bracket, for every call the gateway meters: inference,
+vector uploads, vectors from examples, and the engine calls that are not inference (the
+model list, the tokenizer; one request against requests/min and concurrency, no tokens).
+
+``admitted(settler, limiter.admit(...))`` admits the request and settles it exactly once:
+
+* the body settles it with what it knows (``call.settle(status, tokens, ...)``), or hands
+  settlement to a response that outlives it (``call.hand_off()``: a stream settles when
+  it ends);
+* an ``APIError`` settles it with the error's status and gets the admission's rate-limit
+  headers; any other exit (the client went away) settles it with status 0, which
+  releases the lease at once;
+* ``call.tokens`` / ``call.prompt_tokens`` are charged on those exits too (work the engine
+  did before a later step failed).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 
-from steergate.gateway.admission.settlement import Outcome
+from steergate.gateway.admission.admitted import Admission
+from steergate.gateway.admission.settlement import Outcome, Settler
 from steergate.gateway.deps import Services
 from steergate.gateway.engines.upstream import UpstreamResponse
 from steergate.gateway.tenancy.records import ApiKey, Tenant
 from steergate.shared.errors import APIError
+
+
+class Admitted:
+    """One admitted call, settled once."""
+
+    def __init__(self, settler: Settler, admission: Admission) -> None:
+        self.settler = settler
+        self.admission = admission
+        #: Charged if the call ends without an explicit ``settle``.
+        self.tokens = 0
+        self.prompt_tokens = -1
+        self.handed_off = False
+        self.settled = False
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The ``x-ratelimit-*`` headers of the admission."""
+        return self.admission.headers
+
+    def settle(
+        self,
+        status: int,
+        tokens: int | None = None,
+        latch_state: str | None = None,
+        steered: bool = False,
+        prompt_tokens: int | None = None,
+    ) -> None:
+        """Queue the settlement (the first call only). ``tokens`` -1: unknown, the
+        reservation is charged."""
+        if self.settled:
+            return
+        self.settled = True
+        self.settler.submit(
+            Outcome(
+                self.admission,
+                status,
+                self.tokens if tokens is None else tokens,
+                latch_state,
+                steered,
+                prompt_tokens=self.prompt_tokens if prompt_tokens is None else prompt_tokens,
+            )
+        )
+
+    def hand_off(self) -> None:
+        """The response settles the call when it ends (a stream)."""
+        self.handed_off = True
+
+
+@contextlib.asynccontextmanager
+async def admitted(settler: Settler, admission: Awaitable[Admission]) -> AsyncIterator[Admitted]:
+    """Admit (``admission``: a ``Limiter.admit`` or ``admit_plain`` call), run the body,
+    settle once (see the module docstring)."""
+    call = Admitted(settler, await admission)
+    try:
+        yield call
+    except APIError as exc:
+        call.settle(exc.status)
+        exc.headers = {**call.headers, **exc.headers}
+        raise
+    except BaseException:
+        call.settle(0)  # the client went away: release the lease now
+        raise
+    if not call.handed_off:
+        call.settle(0)  # a body that returned without settling: never hold the lease
 
 
 async def metered_call(
@@ -22,15 +99,7 @@ async def metered_call(
 ) -> tuple[UpstreamResponse, dict[str, str]]:
     """``call()``'s answer and the rate-limit headers to send with it (``api_key``: the
     caller's, whose own limits apply too)."""
-    adm = await svc.limiter.admit_plain(tenant, api_key)
-    status = 0
-    try:
+    async with admitted(svc.settler, svc.limiter.admit_plain(tenant, api_key)) as metered:
         r = await call()
-        status = r.status
-        return r, adm.headers
-    except APIError as exc:
-        status = exc.status
-        exc.headers = {**adm.headers, **exc.headers}
-        raise
-    finally:
-        svc.settler.submit(Outcome(adm, status, 0, None))
+        metered.settle(r.status)
+        return r, metered.headers

@@ -36,11 +36,10 @@ from typing import Any
 
 from redis.exceptions import NoScriptError, ResponseError
 
-from steergate.gateway.admission.limits import Admission
+from steergate.gateway.admission.admitted import Admission
 from steergate.gateway.edge.tracing import span
-from steergate.gateway.store import key_names as keys
 from steergate.gateway.store.connection import Redis, is_cluster
-from steergate.gateway.store.scripts import Scripts, evalsha
+from steergate.gateway.store.scripts import RenewLeases, Scripts, SettleRequest, evalsha
 from steergate.shared.engine_api import DROP_STATES, KEEP_STATES
 
 log = logging.getLogger("steergate.gateway.accounting")
@@ -212,10 +211,14 @@ class Leases:
             if not ids:
                 continue
             expiry = self.expiry(at)
-            out = await evalsha(
-                self.scripts.renew_leases,
-                [keys.leases(tenant_id), keys.latches(tenant_id), keys.latch_info(tenant_id)],
-                [at, expiry, len(ids), *ids, *storing],
+            out = await self.scripts.run(
+                RenewLeases(
+                    tenant_id=tenant_id,
+                    now_ms=at,
+                    expiry_ms=expiry,
+                    lease_ids=ids,
+                    storing=storing,
+                )
             )
             for lease_id, renewed in zip(ids, out, strict=True):
                 held = self._live.get(lease_id)
@@ -440,26 +443,24 @@ class Settler:
         calls = []
         for o in batch:
             a = o.admission
-            ks = keys.admit_keys(a.tenant.id, now_ms // 60000, a.key_id)
             prompt, completion = o.split()
-            args = [
-                now_ms,
-                a.lease_id,
-                a.tenant.limits.tpm,
-                (o.tokens_used - a.reserved_tokens) if o.tokens_used >= 0 else 0,
-                status_class(o.status),
-                o.tokens_used if o.tokens_used >= 0 else a.reserved_tokens,
-                a.conversation_id or "",
-                latch_action(o),
-                a.prev_latch,
-                keys.USAGE_MINUTE_TTL_S,
-                a.lease_expiry_ms if o.cancelled else 0,
-                prompt,
-                completion,
-                a.key_id,
-                keys.USAGE_DAY_TTL_S,
-            ]
-            calls.append((ks, args))
+            call = SettleRequest(
+                tenant_id=a.tenant.id,
+                now_ms=now_ms,
+                lease_id=a.lease_id,
+                tpm=a.tenant.limits.tpm,
+                token_delta=(o.tokens_used - a.reserved_tokens) if o.tokens_used >= 0 else 0,
+                status_class=status_class(o.status),
+                tokens_used=o.tokens_used if o.tokens_used >= 0 else a.reserved_tokens,
+                conversation_id=a.conversation_id or "",
+                latch_action=latch_action(o),
+                prev_latch=a.prev_latch,
+                cancel_expiry_ms=a.lease_expiry_ms if o.cancelled else 0,
+                prompt_tokens=prompt,
+                completion_tokens=completion,
+                key_id=a.key_id,
+            )
+            calls.append((call.keys(), call.argv()))
         if len(calls) == 1:  # the usual case at low load: a pipeline costs more than it saves
             return [await evalsha(script, *calls[0])]
         if is_cluster(self.redis):

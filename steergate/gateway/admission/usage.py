@@ -16,10 +16,11 @@ show is exactly what admission decides on, and it is the same on every replica.
   ``requests`` — admitted —, ``tokens``, ``2xx``, ``4xx``, ``429``, ``5xx``).
   ``429`` is kept apart from ``4xx``. These count what the limiter admits and
   settles: inference requests and vector uploads, not reads or admin calls.
-* rejections: the cause of each 429 is not in the limiter's hashes;
+* rejections: the cause of each 429 is not in the limiter's minute and total hashes;
   :func:`record_rejection` (called by the metrics middleware for every 429 a tenant
-  gets) adds ``429:<code>`` fields. Inference 429s the limiter counted without a
-  recorded cause are shown as ``unattributed`` rather than hidden. Vector uploads
+  gets) adds ``429:<cause>`` fields (``gateway/refusals.py``; shown by error code).
+  Inference 429s the limiter counted without a recorded cause are shown as
+  ``unattributed`` rather than hidden. Vector uploads
   are admitted and settled like inference requests, so their 429s count too.
 * budget and export (billing): the daily and monthly rollup hashes
   (``usage:day:<day>``, ``usage:month:<month>``: ``keys.ROLLUP_COUNTERS`` and
@@ -40,6 +41,8 @@ from typing import Any, Literal
 import orjson
 from pydantic import BaseModel, Field
 
+from steergate.gateway.admission import refusals
+from steergate.gateway.admission.refusals import Refusal
 from steergate.gateway.store import key_names as keys
 from steergate.gateway.store.connection import Redis, store_errors
 from steergate.gateway.tenancy.records import Limits, Tenant
@@ -47,13 +50,6 @@ from steergate.shared.errors import InvalidField
 
 HISTORY_MINUTES = 60
 STATUS_CLASSES = ("2xx", "4xx", "429", "5xx")
-REJECTION_CAUSES = (
-    "rate_limit_exceeded",
-    "concurrency_limit_exceeded",
-    "latch_quota_exceeded",
-    "vector_quota_exceeded",
-)
-CAUSE_PREFIX = "429:"
 PERIOD_MS = 60_000
 
 
@@ -157,10 +153,13 @@ def _counts(row: dict[str, Any]) -> dict[str, int]:
 
 
 def _rejections(row: dict[str, Any]) -> dict[str, int]:
-    out = {cause: _int(row.get(CAUSE_PREFIX + cause)) for cause in REJECTION_CAUSES}
-    for field, value in row.items():  # causes this module does not know yet
-        if field.startswith(CAUSE_PREFIX) and field[len(CAUSE_PREFIX) :] not in out:
-            out[field[len(CAUSE_PREFIX) :]] = _int(value)
+    """429s by error code: every ``429:<cause>`` field (and the older ``429:<code>``
+    naming), causes this version does not know included."""
+    out = dict.fromkeys(refusals.CODES, 0)
+    for field, value in row.items():
+        code = refusals.code_of_field(field)
+        if code is not None:
+            out[code] = out.get(code, 0) + _int(value)
     attributed = sum(out.values())
     unattributed = _int(row.get("429")) - attributed
     if unattributed > 0:
@@ -264,17 +263,18 @@ def _float(value: Any) -> float | None:
         return None
 
 
-async def record_rejection(redis: Redis, tenant_id: str, cause: str, now_ms: int) -> None:
-    """Count one 429's cause next to the limiter's ``429`` field (minute and total).
+async def record_rejection(redis: Redis, tenant_id: str, refusal: Refusal, now_ms: int) -> None:
+    """Count one 429's cause (``refusal.field``) next to the ``429`` field (minute and
+    total) that the limiter script or settlement counts.
 
-    The limiter script counts every 429 it gives but not why; the request path calls
-    this with the error code so the dashboard can show 429s by cause."""
+    Those count every 429 but not why; the metrics middleware calls this with the
+    refusal the request state carries, so the dashboard can show 429s by cause."""
     minute_key = keys.usage_minute(tenant_id, now_ms // PERIOD_MS)
     async with store_errors():
         pipe = redis.pipeline(transaction=False)
-        pipe.hincrby(minute_key, CAUSE_PREFIX + cause, 1)
+        pipe.hincrby(minute_key, refusal.field, 1)
         pipe.expire(minute_key, keys.USAGE_MINUTE_TTL_S)
-        pipe.hincrby(keys.usage_total(tenant_id), CAUSE_PREFIX + cause, 1)
+        pipe.hincrby(keys.usage_total(tenant_id), refusal.field, 1)
         await pipe.execute()
 
 
@@ -310,7 +310,7 @@ FORMATS = ("json", "csv")
 EXPORT_COUNTERS = (
     *keys.ROLLUP_COUNTERS,
     "429",
-    *(f"429_{cause}" for cause in keys.REFUSAL_CAUSES),
+    *(f"429_{cause}" for cause in refusals.LIMITER_CAUSES),
 )
 _DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
 
@@ -384,9 +384,9 @@ def _split_rollup(row: dict[str, Any]) -> tuple[dict[str, int], dict[str, dict[s
 def _counter_row(fields: dict[str, int]) -> dict[str, int]:
     row = {name: fields.get(name, 0) for name in keys.ROLLUP_COUNTERS}
     # Every 429:<cause> counts in "429", causes this version does not name included.
-    row["429"] = sum(v for f, v in fields.items() if f.startswith(CAUSE_PREFIX))
-    for cause in keys.REFUSAL_CAUSES:
-        row[f"429_{cause}"] = fields.get(CAUSE_PREFIX + cause, 0)
+    row["429"] = sum(v for f, v in fields.items() if f.startswith(refusals.FIELD_PREFIX))
+    for cause in refusals.LIMITER_CAUSES:
+        row[f"429_{cause}"] = fields.get(refusals.BY_CAUSE[cause].field, 0)
     return row
 
 

@@ -12,9 +12,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import orjson
-
 from steergate.gateway.admission import usage
+from steergate.gateway.admission.refusals import STATE_KEY, Refusal
 from steergate.gateway.edge.metrics import Metrics
 
 log = logging.getLogger("steergate.gateway.metrics")
@@ -22,7 +21,9 @@ log = logging.getLogger("steergate.gateway.metrics")
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
-RejectionSink = Callable[[Scope, str, str], Awaitable[None]]
+RejectionSink = Callable[[Scope, str, Refusal], Awaitable[None]]
+#: The ``cause`` label of a 429 that carries no refusal (not one the gateway made).
+UNKNOWN_CAUSE = "unknown"
 
 
 class MetricsMiddleware:
@@ -30,9 +31,11 @@ class MetricsMiddleware:
     request an authenticated tenant made, after its last byte was sent.
 
     The tenant id comes from ``request.state.tenant_id`` (set by ``auth.get_tenant``),
-    the route from the matched route's template. For a 429 the small JSON error body
-    is copied aside to read its ``code`` — the cause — which is also handed to
-    ``on_rejection`` (it records the cause in Redis for ``/v1/usage``)."""
+    the route from the matched route's template. For a 429 the cause is the
+    ``Refusal`` the request state carries (``admission/refusals.py``; set by the app's
+    error handler): its error code labels the metric, and it is handed to
+    ``on_rejection`` (it records the cause in Redis for ``/v1/usage``). A 429 without
+    one (not the gateway's own refusal) is labelled ``unknown``."""
 
     def __init__(
         self, app: Any, metrics: Metrics, on_rejection: RejectionSink | None = None
@@ -48,7 +51,6 @@ class MetricsMiddleware:
         started = time.perf_counter()
         status = 0
         latch_state: str | None = None
-        body_429 = bytearray()
         finished = False
         stream = False  # an SSE answer: its first event's time is the TTFT
 
@@ -63,8 +65,6 @@ class MetricsMiddleware:
                     elif low == b"content-type" and value.startswith(b"text/event-stream"):
                         stream = True
             elif message["type"] == "http.response.body":
-                if status == 429 and len(body_429) < 4096:
-                    body_429.extend(message.get("body", b""))
                 if stream and message.get("body"):
                     stream = False  # only the first event
                     tenant_id = (scope.get("state") or {}).get("tenant_id")
@@ -90,7 +90,6 @@ class MetricsMiddleware:
                     str(tenant_id),
                     status,
                     latch_state,
-                    bytes(body_429),
                     time.perf_counter() - started if finished else None,
                 )
 
@@ -100,7 +99,6 @@ class MetricsMiddleware:
         tenant_id: str,
         status: int,
         latch_state: str | None,
-        body_429: bytes,
         seconds: float | None,
     ) -> None:
         route = getattr(scope.get("route"), "path", None) or "unmatched"
@@ -108,24 +106,19 @@ class MetricsMiddleware:
         if latch_state and latch_state != "none":
             self.metrics.observe_latch(tenant_id, latch_state)
         if status == 429:
-            cause = _error_code(body_429) or "unknown"
-            self.metrics.observe_rejection(tenant_id, cause)
+            refusal = (scope.get("state") or {}).get(STATE_KEY)
+            if not isinstance(refusal, Refusal):
+                self.metrics.observe_rejection(tenant_id, UNKNOWN_CAUSE)
+                return
+            self.metrics.observe_rejection(tenant_id, refusal.code)
             if self.on_rejection is not None:
                 try:
-                    await self.on_rejection(scope, tenant_id, cause)
+                    await self.on_rejection(scope, tenant_id, refusal)
                 except Exception as exc:  # noqa: BLE001 - counting must never fail a request
                     log.warning("could not record a 429 cause: %s", type(exc).__name__)
 
 
-def _error_code(body: bytes) -> str | None:
-    try:
-        code = orjson.loads(body)["error"]["code"]
-    except (orjson.JSONDecodeError, KeyError, TypeError):
-        return None
-    return code if isinstance(code, str) and len(code) <= 64 else None
-
-
-async def record_rejection(scope: Scope, tenant_id: str, cause: str) -> None:
+async def record_rejection(scope: Scope, tenant_id: str, refusal: Refusal) -> None:
     services = getattr(scope["app"].state, "services", None)
     if services is not None:
-        await usage.record_rejection(services.redis, tenant_id, cause, usage.now_ms())
+        await usage.record_rejection(services.redis, tenant_id, refusal, usage.now_ms())

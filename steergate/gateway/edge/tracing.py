@@ -218,13 +218,12 @@ def shutdown() -> None:
         provider.shutdown()
 
 
-def install(app: Any) -> None:
+def enable() -> None:
     """``create_app``'s one call: turn tracing on if the environment asks for it (once
-    per process) and add :class:`TraceMiddleware`."""
+    per process). :class:`TraceMiddleware` is in the app's middleware list."""
     if _state.tracer is None and requested():
         if configure():
             log.info("tracing on: OTLP/HTTP export")
-    app.add_middleware(TraceMiddleware)
 
 
 # ---------------------------------------------------------------------------- middleware

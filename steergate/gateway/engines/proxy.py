@@ -21,13 +21,19 @@ from typing import Any
 
 import orjson
 
-from steergate.gateway.admission.limits import Admission
+from steergate.gateway.admission.admitted import Admission
 from steergate.gateway.admission.request_scoping import Head, Prepared
-from steergate.gateway.deps import Services
-from steergate.gateway.engines.client import miss_code
-from steergate.gateway.engines.upstream import Engine, EngineUnreachable
+from steergate.gateway.engines.client import EngineClient, miss_code
+from steergate.gateway.engines.upstream import (
+    Engine,
+    EngineUnreachable,
+    UpstreamBroken,
+    UpstreamResponse,
+    UpstreamStream,
+)
 from steergate.gateway.store import key_names as keys
-from steergate.gateway.store.connection import store_errors
+from steergate.gateway.store.connection import Redis, store_errors
+from steergate.gateway.store.scripts import KeepLatch, Scripts
 from steergate.shared.engine_api import EXPECT_FIELD, KEEP_STATES
 from steergate.shared.errors import APIError, InvalidField
 from steergate.shared.latch_spec import SpecError, decode_spec
@@ -40,8 +46,25 @@ MAX_INSTALLS = 3
 
 
 @dataclass
+class Replayed:
+    """An answer already read (a 409 that was not a cache miss), shaped like a stream."""
+
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    async def read(self) -> bytes:
+        return self.body
+
+
+@dataclass
 class Turn:
-    svc: Services
+    """One inference turn on an engine: picks it, fills its cache on a miss, moves on
+    when it cannot be reached, and records a latch it stored."""
+
+    engines: EngineClient
+    redis: Redis
+    scripts: Scripts
     adm: Admission
     head: Head
     prep: Prepared
@@ -54,7 +77,7 @@ class Turn:
     _spec_text: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        self.engine = self.svc.engines.pick(self.prep.scoped_conversation_id)
+        self.engine = self.engines.pick(self.prep.scoped_conversation_id)
         self.expect = self._expectations()
 
     @property
@@ -85,7 +108,7 @@ class Turn:
 
     def failover(self) -> bool:
         """After ``EngineUnreachable``: move to the next healthy engine, if any."""
-        nxt = self.svc.engines.pick(self.prep.scoped_conversation_id)
+        nxt = self.engines.pick(self.prep.scoped_conversation_id)
         if nxt is self.engine or not nxt.healthy:
             return False
         self.engine = nxt
@@ -111,7 +134,7 @@ class Turn:
     async def _load_spec(self) -> str | None:
         if self._spec_text is None and self.head.conversation_id:
             async with store_errors():
-                self._spec_text = await self.svc.redis.hget(
+                self._spec_text = await self.redis.hget(
                     keys.latch_specs(self.tenant_id), self.head.conversation_id
                 )
         return self._spec_text
@@ -147,7 +170,7 @@ class Turn:
         if not names:
             return
         async with store_errors():
-            rows = await self.svc.redis.hmget(keys.vector_data(self.tenant_id), list(names))
+            rows = await self.redis.hmget(keys.vector_data(self.tenant_id), list(names))
         for name, data in zip(names, rows, strict=True):
             if data is None:
                 if name in latch_refs:
@@ -157,12 +180,55 @@ class Turn:
                 raise InvalidField(
                     "steering.vectors", f"no vector named '{name}'", code="unknown_vector"
                 )
-            await self.svc.engines.put_vector(self.engine, self.tenant_id, name, data.encode())
+            await self.engines.put_vector(self.engine, self.tenant_id, name, data.encode())
 
     async def _drop_stale_latch(self) -> None:
         self.expect["latch"] = ""
         self.expect.pop("restore", None)
         self.state_override = "dropped_stale"
+
+    async def send(self) -> UpstreamResponse:
+        """The turn's unary exchange, filling the engine's cache on a miss and moving to
+        the next engine when one cannot be reached."""
+        attempt = 0
+        while True:
+            try:
+                r = await self.engines.complete(self.engine, self.path, self.content())
+            except EngineUnreachable:
+                if not self.failover():
+                    raise
+                continue
+            if not await self.handle_miss(r.status, r.body, attempt):
+                return r
+            attempt += 1
+
+    async def open_stream(self) -> tuple[Any, UpstreamStream, bytes]:
+        """The turn's stream, opened once the engine holds what the turn needs (a cache
+        miss is answered before any event, as a plain 409); returns (context, stream,
+        content sent). A non-200 answer comes back open, for the caller to relay."""
+        attempt = 0
+        while True:
+            content = self.content()
+            cm = self.engines.stream(self.engine, self.path, content)
+            try:
+                up = await cm.__aenter__()
+            except EngineUnreachable:
+                if not self.failover():
+                    raise
+                continue
+            if up.status != 409:
+                return cm, up, content
+            try:
+                data = await up.read()
+            except UpstreamBroken as exc:
+                await cm.__aexit__(None, None, None)
+                raise APIError(
+                    "engine_unavailable", "The inference engine is unavailable."
+                ) from exc
+            await cm.__aexit__(None, None, None)
+            if not await self.handle_miss(up.status, data, attempt):
+                return cm, Replayed(up.status, up.headers, data), content
+            attempt += 1
 
     async def keep_latch(self, engine_state: str | None) -> None:
         """Record the latch the engine just stored (digest and spec) before the client
@@ -173,18 +239,22 @@ class Turn:
         info = f"{spec.nbytes}:{spec.kind}:{spec.digest}"
         try:
             async with store_errors():
-                orphaned = await self.svc.scripts.keep_latch(
-                    keys=keys.latch_keys(self.tenant_id),
-                    args=[self.head.conversation_id, info, spec.encode()],
+                orphaned = await self.scripts.run(
+                    KeepLatch(
+                        tenant_id=self.tenant_id,
+                        conversation_id=self.head.conversation_id,
+                        info=info,
+                        spec=spec.encode(),
+                    )
                 )
             if int(orphaned):
                 # A concurrent turn's quota eviction took it while this one ran: Redis
                 # holds no latch, so the engine's copy is never bridged; free its memory.
-                self.svc.engines.forget_latches_soon(self.tenant_id, [self.head.conversation_id])
+                self.engines.forget_latches_soon(self.tenant_id, [self.head.conversation_id])
         except APIError:
             # The engine holds it and the ledger counts it; only a restore elsewhere
             # is lost until the conversation latches again. Never fail the turn for it.
             log.warning("could not record a latch spec (store unavailable)")
 
 
-__all__ = ["MAX_INSTALLS", "Turn", "EngineUnreachable"]
+__all__ = ["MAX_INSTALLS", "Replayed", "Turn", "EngineUnreachable"]

@@ -115,9 +115,7 @@ def _unavailable(engine: Engine, exc: Exception) -> APIError:
         log.warning("engine %s unavailable (%s)", engine.url, type(exc).__name__)
     engine.healthy = False
     if isinstance(exc, http1.ConnectError):
-        return EngineUnreachable(
-            "engine_unavailable", "The inference engine is unavailable."
-        )
+        return EngineUnreachable("engine_unavailable", "The inference engine is unavailable.")
     return APIError("engine_unavailable", "The inference engine is unavailable.")
 
 
@@ -239,19 +237,6 @@ class EnginePool:
         finally:
             engine.inflight -= 1
 
-    async def broadcast(
-        self, method: str, path: str, *, json: Any = None
-    ) -> list[UpstreamResponse | APIError]:
-        """The same call on every engine (vector registry, latch deletes)."""
-
-        async def one(e: Engine) -> UpstreamResponse | APIError:
-            try:
-                return await self.request(method, path, engine=e, json=json)
-            except APIError as exc:
-                return exc
-
-        return list(await asyncio.gather(*(one(e) for e in self.engines)))
-
     # -- engine info -------------------------------------------------------------
 
     def shape(self) -> ModelShape | None:
@@ -307,15 +292,6 @@ class EnginePool:
             for e in self.engines:
                 if e.healthy and e.dirty:
                     await self.on_dirty(e)
-
-    async def poll(self, stop: asyncio.Event, interval_s: float) -> None:
-        while not stop.is_set():
-            try:
-                await self.refresh()
-            except Exception:  # never let the poller die; the next round retries
-                log.exception("engine poll failed")
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), interval_s)
 
 
 def _check_token(status: int) -> None:

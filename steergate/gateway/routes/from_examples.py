@@ -27,8 +27,8 @@ import numpy as np
 import orjson
 from fastapi import APIRouter, Request, Response
 
+from steergate.gateway.admission.metered import admitted
 from steergate.gateway.admission.request_scoping import combined_salt
-from steergate.gateway.admission.settlement import Outcome
 from steergate.gateway.deps import Services, ServicesDep
 from steergate.gateway.engines.upstream import EngineUnreachable, UpstreamResponse
 from steergate.gateway.routes.inference import read_json_object
@@ -87,7 +87,7 @@ async def from_examples(
     spec = parse_examples_body(body, shape)  # every 400 before any work
     nbytes = 4 * shape.hidden_size * len(spec.layers)
     await precheck_quota(svc, tenant.id, tenant.limits, name, nbytes)  # no tokens spent in vain
-    adm = await svc.limiter.admit(
+    admission = svc.limiter.admit(
         tenant,
         tokens=spec.token_estimate,
         conversation_id=None,
@@ -96,25 +96,20 @@ async def from_examples(
         latch_kind="ref",
         api_key=caller_key(request),
     )
-    usage = Usage()
-    status = 0
-    try:
-        doc, created = await _make(name, spec, tenant, svc, shape, usage)
+    async with admitted(svc.settler, admission) as call:
+        usage = Usage()
+        try:
+            doc, created = await _make(name, spec, tenant, svc, shape, usage)
+        finally:
+            # What the engine did is charged even when a later step failed.
+            call.tokens, call.prompt_tokens = usage.total, usage.prompt_tokens
         status = 201 if created else 200
+        call.settle(status)
         return Response(
             orjson.dumps(doc),
             status_code=status,
-            headers=adm.headers,
+            headers=call.headers,
             media_type="application/json",
-        )
-    except APIError as exc:
-        status = exc.status
-        exc.headers = {**adm.headers, **exc.headers}
-        raise
-    finally:
-        # What the engine did is charged even when a later step failed.
-        svc.settler.submit(
-            Outcome(adm, status, usage.total, None, prompt_tokens=usage.prompt_tokens)
         )
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -23,8 +22,9 @@ from fastapi.responses import StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.routing import request_response
 
+from steergate.gateway.admission.admitted import Admission
 from steergate.gateway.admission.bodies import OFF_LOOP_BYTES, Parsed, parse_body
-from steergate.gateway.admission.limits import Admission
+from steergate.gateway.admission.metered import Admitted, admitted
 from steergate.gateway.admission.request_scoping import (
     Head,
     Prepared,
@@ -32,22 +32,18 @@ from steergate.gateway.admission.request_scoping import (
     prescan,
     scrub,
 )
-from steergate.gateway.admission.settlement import Outcome
 from steergate.gateway.admission.stream_meter import StreamMeter, prompt_estimate
-from steergate.gateway.deps import Services, get_services
+from steergate.gateway.deps import get_services
 from steergate.gateway.edge.tracing import span
 from steergate.gateway.engines.proxy import Turn
 from steergate.gateway.engines.upstream import (
-    EngineUnreachable,
     UpstreamBroken,
-    UpstreamResponse,
-    UpstreamStream,
 )
 from steergate.gateway.tenancy.auth import caller_key, get_tenant
 from steergate.shared import engine_api
 from steergate.shared.capture import answer_bytes, check_up_front, parse_capture
 from steergate.shared.engine_api import LATCH_HEADER
-from steergate.shared.errors import APIError, InvalidField
+from steergate.shared.errors import APIError, InvalidField, render
 
 log = logging.getLogger("steergate.gateway.inference")
 
@@ -132,9 +128,10 @@ async def proxy_inference(request: Request, path: str) -> Response:
     head = prescan(body, svc.bodies.budget)
     if head.capture is not None and shape is not None:  # 400s before admission
         parse_capture(body["capture"], shape)
-        check_up_front(head.capture, body, path == engine_api.COMPLETIONS, shape.hidden_size,
-                       head.tokens)
-    adm = await svc.limiter.admit(
+        check_up_front(
+            head.capture, body, path == engine_api.COMPLETIONS, shape.hidden_size, head.tokens
+        )
+    admission = svc.limiter.admit(
         tenant,
         tokens=head.tokens,
         conversation_id=head.conversation_id,
@@ -144,7 +141,8 @@ async def proxy_inference(request: Request, path: str) -> Response:
         vector_names=list(head.names),
         api_key=caller_key(request),
     )
-    try:
+    async with admitted(svc.settler, admission) as call:
+        adm = call.admission
         _check_names(head, adm)
         prep = _prepare(body, head, tenant, shape, adm, parsed)
         if is_responses and not client_stream_options:
@@ -152,20 +150,13 @@ async def proxy_inference(request: Request, path: str) -> Response:
             body.pop("stream_options", None)
         if adm.evicted:  # the engines' copies are harmless (never bridged) but use memory
             svc.engines.forget_latches_soon(tenant.id, adm.evicted)
-        turn = Turn(svc, adm, head, prep, body, path)
+        turn = Turn(svc.engines, svc.redis, svc.scripts, adm, head, prep, body, path)
         on_capture = _capture_meter(request, tenant.id, head)
         # A stream's span ends once the engine's answer has started (headers relayed).
         with span("proxy", tenant_id=tenant.id, stream=head.stream):
             if head.stream:
-                return await _stream(turn, on_capture)
-            return await _unary(turn, on_capture)
-    except APIError as exc:
-        _settle(svc, adm, exc.status, 0, None)
-        exc.headers = {**adm.headers, **exc.headers}
-        raise
-    except BaseException:
-        _settle(svc, adm, 0, 0, None)  # client went away: release the lease now
-        raise
+                return await _stream(turn, call, on_capture)
+            return await _unary(turn, call, on_capture)
 
 
 def _capture_meter(request: Request, tenant_id: str, head: Head) -> Callable[[Any], None]:
@@ -205,18 +196,6 @@ def _prepare(
     return prepare_inference(body, head, tenant, shape, adm.vector_digests, steering)
 
 
-def _settle(
-    svc: Services,
-    adm: Admission,
-    status: int,
-    tokens: int,
-    latch_state: str | None,
-    steered: bool = False,
-    prompt: int = -1,
-) -> None:
-    svc.settler.submit(Outcome(adm, status, tokens, latch_state, steered, prompt_tokens=prompt))
-
-
 def _latch_state(adm: Admission, engine_state: str | None) -> str:
     state = engine_state or "none"
     if adm.evicted and state in ("latched", "replaced"):
@@ -238,25 +217,9 @@ def _usage(doc: Any) -> tuple[int, int]:
     return -1, -1
 
 
-async def _send(turn: Turn) -> UpstreamResponse:
-    """The turn's unary exchange, filling the engine's cache on a miss and moving to the
-    next engine when one cannot be reached."""
-    attempt = 0
-    while True:
-        try:
-            r = await turn.svc.engines.complete(turn.engine, turn.path, turn.content())
-        except EngineUnreachable:
-            if not turn.failover():
-                raise
-            continue
-        if not await turn.handle_miss(r.status, r.body, attempt):
-            return r
-        attempt += 1
-
-
-async def _unary(turn: Turn, on_capture: Callable[[Any], None]) -> Response:
-    svc, adm, prep = turn.svc, turn.adm, turn.prep
-    r = await _send(turn)
+async def _unary(turn: Turn, call: Admitted, on_capture: Callable[[Any], None]) -> Response:
+    adm, prep = turn.adm, turn.prep
+    r = await turn.send()
     tenant_id = adm.tenant.id
     ok = 200 <= r.status < 300
     body = scrub(r.body, tenant_id, error=not ok)
@@ -283,7 +246,7 @@ async def _unary(turn: Turn, on_capture: Callable[[Any], None]) -> Response:
                 )
                 doc["steering"] = {"applied": bool(applied), "latch": state}
                 body = orjson.dumps(doc)
-    _settle(svc, adm, r.status, tokens, engine_state, prep.steering is not None, prompt)
+    call.settle(r.status, tokens, engine_state, prep.steering is not None, prompt)
     headers = {**adm.headers, LATCH_HEADER: state}
     return Response(
         body,
@@ -291,18 +254,6 @@ async def _unary(turn: Turn, on_capture: Callable[[Any], None]) -> Response:
         headers=headers,
         media_type=r.headers.get("content-type", "application/json"),
     )
-
-
-@dataclass
-class _Replayed:
-    """An answer already read (a 409 that was not a cache miss), shaped like a stream."""
-
-    status: int
-    headers: dict[str, str]
-    body: bytes
-
-    async def read(self) -> bytes:
-        return self.body
 
 
 class _RelayResponse(StreamingResponse):
@@ -321,36 +272,9 @@ class _RelayResponse(StreamingResponse):
             await self._on_exit()
 
 
-async def _open_stream(turn: Turn) -> tuple[Any, UpstreamStream, bytes]:
-    """The turn's stream, opened once the engine holds what the turn needs (a cache
-    miss is answered before any event, as a plain 409); returns (context, stream,
-    content sent). A non-200 answer comes back open, for the caller to relay."""
-    attempt = 0
-    while True:
-        content = turn.content()
-        cm = turn.svc.engines.stream(turn.engine, turn.path, content)
-        try:
-            up = await cm.__aenter__()
-        except EngineUnreachable:
-            if not turn.failover():
-                raise
-            continue
-        if up.status != 409:
-            return cm, up, content
-        try:
-            data = await up.read()
-        except UpstreamBroken as exc:
-            await cm.__aexit__(None, None, None)
-            raise APIError("engine_unavailable", "The inference engine is unavailable.") from exc
-        await cm.__aexit__(None, None, None)
-        if not await turn.handle_miss(up.status, data, attempt):
-            return cm, _Replayed(up.status, up.headers, data), content
-        attempt += 1
-
-
-async def _stream(turn: Turn, on_capture: Callable[[Any], None]) -> Response:
-    svc, adm, prep = turn.svc, turn.adm, turn.prep
-    cm, up, content = await _open_stream(turn)
+async def _stream(turn: Turn, call: Admitted, on_capture: Callable[[Any], None]) -> Response:
+    adm, prep = turn.adm, turn.prep
+    cm, up, content = await turn.open_stream()
     tenant_id = adm.tenant.id
     if up.status != 200:
         try:
@@ -359,7 +283,7 @@ async def _stream(turn: Turn, on_capture: Callable[[Any], None]) -> Response:
             raise APIError("engine_unavailable", "The inference engine is unavailable.") from exc
         finally:
             await cm.__aexit__(None, None, None)
-        _settle(svc, adm, up.status, 0, up.headers.get(LATCH_HEADER))
+        call.settle(up.status, 0, up.headers.get(LATCH_HEADER))
         return Response(
             scrub(data, tenant_id, error=True),
             status_code=up.status,
@@ -384,7 +308,7 @@ async def _stream(turn: Turn, on_capture: Callable[[Any], None]) -> Response:
         # The engine's latch decision arrived with the headers, before any body, so it
         # holds even if the stream later broke or the client left (status 0).
         tokens, prompt = meter.split(lambda: prompt_estimate(content))
-        _settle(svc, adm, seen["status"], tokens, engine_state, prep.steering is not None, prompt)
+        call.settle(seen["status"], tokens, engine_state, prep.steering is not None, prompt)
 
     async def relay() -> AsyncIterator[bytes]:
         buf = b""
@@ -404,7 +328,7 @@ async def _stream(turn: Turn, on_capture: Callable[[Any], None]) -> Response:
         except UpstreamBroken:
             seen["status"] = 502
             err = APIError("engine_unavailable", "The inference engine failed mid-stream.")
-            yield b"data: " + orjson.dumps(err.body()) + b"\n\n"
+            yield b"data: " + render(err).body + b"\n\n"
         finally:
             await finish()
 
@@ -414,6 +338,7 @@ async def _stream(turn: Turn, on_capture: Callable[[Any], None]) -> Response:
         "cache-control": "no-cache",
         "x-accel-buffering": "no",
     }
+    call.hand_off()  # settled by ``finish``, once the relay ends or the client leaves
     return _RelayResponse(
         relay(), status_code=200, headers=headers, media_type="text/event-stream", on_exit=finish
     )

@@ -11,6 +11,7 @@ from fastapi import APIRouter, Response
 from steergate.gateway.deps import ServicesDep
 from steergate.gateway.store import key_names as keys
 from steergate.gateway.store.connection import store_errors
+from steergate.gateway.store.scripts import DropLatch
 from steergate.gateway.tenancy.auth import TenantDep
 from steergate.shared.errors import APIError
 from steergate.shared.scoping import check_conversation_id
@@ -41,8 +42,8 @@ async def list_latches(tenant: TenantDep, svc: ServicesDep) -> Response:
 async def delete_latch(conversation_id: str, tenant: TenantDep, svc: ServicesDep) -> Response:
     check_conversation_id(conversation_id)
     async with store_errors():
-        removed = await svc.scripts.drop_latch(
-            keys=keys.latch_keys(tenant.id), args=[conversation_id]
+        removed = await svc.scripts.run(
+            DropLatch(tenant_id=tenant.id, conversation_ids=[conversation_id])
         )
     if not removed:
         raise APIError(

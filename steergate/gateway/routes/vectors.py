@@ -19,14 +19,18 @@ import numpy as np
 import orjson
 from fastapi import APIRouter, Request, Response
 
+from steergate.gateway.admission import refusals
 from steergate.gateway.admission.bodies import OFF_LOOP_BYTES, parse_body
-from steergate.gateway.admission.settlement import Outcome
+from steergate.gateway.admission.metered import admitted
+from steergate.gateway.admission.refusals import Refused
 from steergate.gateway.deps import Services, ServicesDep
 from steergate.gateway.store import key_names as keys
 from steergate.gateway.store.connection import store_errors
+from steergate.gateway.store.scripts import DropVector, PutVector
 from steergate.gateway.tenancy.auth import TenantDep, caller_key
-from steergate.shared.codecs import CodecError, decode_gguf_off_loop, encode_packed, vector_digest
+from steergate.shared.codecs import CodecError, encode_packed, vector_digest
 from steergate.shared.errors import APIError, InvalidField
+from steergate.shared.gguf import decode_gguf_off_loop
 from steergate.shared.scoping import check_vector_name
 from steergate.shared.steering import check_vectors, parse_vector_body
 
@@ -49,17 +53,10 @@ def _not_found(name: str) -> APIError:
 @router.put("/v1/steering/vectors/{name}")
 async def put_vector(name: str, request: Request, tenant: TenantDep, svc: ServicesDep) -> Response:
     check_vector_name(name)
-    adm = await svc.limiter.admit_plain(tenant, caller_key(request))
-    status = 0
-    try:
+    async with admitted(svc.settler, svc.limiter.admit_plain(tenant, caller_key(request))) as call:
         response = await _put_vector(name, request, tenant.id, tenant.limits, svc)
-        status = response.status_code
+        call.settle(response.status_code)
         return response
-    except APIError as exc:
-        status = exc.status
-        raise
-    finally:
-        svc.settler.submit(Outcome(adm, status, 0, None))
 
 
 async def _put_vector(
@@ -117,9 +114,16 @@ async def store_vector(
         data["description"] = description
     body = orjson.dumps(data)
     async with store_errors():
-        status, prev = await svc.scripts.put_vector(
-            keys=keys.vector_keys(tenant_id),
-            args=[name, orjson.dumps(meta), nbytes, lim.vector_count, lim.vector_bytes, body],
+        status, prev = await svc.scripts.run(
+            PutVector(
+                tenant_id=tenant_id,
+                name=name,
+                meta=orjson.dumps(meta),
+                nbytes=nbytes,
+                count_quota=lim.vector_count,
+                bytes_quota=lim.vector_bytes,
+                data=body,
+            )
         )
     if int(status):
         raise _over_quota(lim)
@@ -129,13 +133,7 @@ async def store_vector(
 
 
 def _over_quota(lim: Any) -> APIError:
-    return APIError(
-        "vector_quota_exceeded",
-        f"Storing this vector would exceed the tenant's vector quota "
-        f"({lim.vector_count} vectors, {lim.vector_bytes} bytes).",
-        # Waiting does not help: no Retry-After, and the SDKs' retries are told so.
-        headers={"x-should-retry": "false"},
-    )
+    return Refused(refusals.BY_CAUSE["vector"], limit=lim.vector_count, bytes=lim.vector_bytes)
 
 
 async def precheck_quota(svc: Services, tenant_id: str, lim: Any, name: str, nbytes: int) -> None:
@@ -191,7 +189,7 @@ def _public(meta: dict[str, Any], data: str | None) -> dict[str, Any]:
 async def delete_vector(name: str, tenant: TenantDep, svc: ServicesDep) -> Response:
     check_vector_name(name)
     async with store_errors():
-        removed = await svc.scripts.drop_vector(keys=keys.vector_keys(tenant.id), args=[name])
+        removed = await svc.scripts.run(DropVector(tenant_id=tenant.id, name=name))
     if not removed:
         raise _not_found(name)
     await svc.engines.delete_vector_everywhere(tenant.id, name)

@@ -14,7 +14,6 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -34,8 +33,6 @@ Redis = Any  # redis.asyncio.Redis | RedisCluster | fakeredis.FakeAsyncRedis (sa
 #: What a store call raises when Redis is down, hung or electing: a cluster client
 #: raises RedisClusterException (not a RedisError) when no node is reachable.
 STORE_FAILURES = (RedisError, RedisClusterException, OSError)
-
-LUA_DIR = Path(__file__).resolve().parent / "lua"
 
 
 def connect(url: str | None, timeout_s: float, health_check_interval_s: float = 5.0) -> Redis:
@@ -120,15 +117,8 @@ def is_cluster(redis: Redis) -> bool:
     return isinstance(redis, RedisCluster)
 
 
-def lua_source(name: str) -> str:
-    """The text of ``steergate/gateway/store/lua/<name>.lua``."""
-    return (LUA_DIR / f"{name}.lua").read_text()
-
-
 def store_unavailable() -> APIError:
-    return APIError(
-        "store_unavailable", "The rate-limit store is unavailable; try again shortly."
-    )
+    return APIError("store_unavailable", "The rate-limit store is unavailable; try again shortly.")
 
 
 @asynccontextmanager

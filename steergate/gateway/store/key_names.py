@@ -89,9 +89,7 @@ USAGE_DAY_TTL_S = 401 * 86400
 #: status classes of settled ones (``tokens`` = prompt + completion: what a token budget
 #: counts).
 ROLLUP_COUNTERS = ("requests", "prompt_tokens", "completion_tokens", "tokens", "2xx", "4xx", "5xx")
-#: Admission refusals, counted as ``429:<cause>``; admit_request.lua's ``CAUSES`` names
-#: them by its status codes.
-REFUSAL_CAUSES = ("rpm", "tpm", "concurrency", "latch", "budget", "key_rpm", "key_concurrency")
+#: Admission refusals are counted as ``429:<cause>`` (``steergate/gateway/admission/refusals.py``).
 #: A day hash holds the tenant's fields, then the same per API key as ``k:<key_id>:<field>``.
 ROLLUP_KEY_PREFIX = "k:"
 

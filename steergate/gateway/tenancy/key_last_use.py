@@ -2,9 +2,9 @@
 
 An authenticated request only notes ``key_id -> now`` in this replica's memory (a
 dict assignment; no Redis call). A background task flushes what accumulated every
-``FLUSH_INTERVAL_S`` seconds: one script call per tenant with keys used since the
-last flush, whatever the number of requests. The script writes a time only for a
-key that still exists (a flush racing a revoke or a tenant delete recreates
+``FLUSH_INTERVAL_S`` seconds: one ``record_key_use.lua`` call per tenant with keys
+used since the last flush, whatever the number of requests. The script writes a time
+only for a key that still exists (a flush racing a revoke or a tenant delete recreates
 nothing) and only if it is newer than the stored one (replicas flush independently).
 So ``last_used_at`` in the key list lags real use by up to one interval.
 """
@@ -16,39 +16,21 @@ import contextlib
 import logging
 from collections import defaultdict
 
-from steergate.gateway.store import key_names as keys
-from steergate.gateway.store.connection import Redis
+from steergate.gateway.store.scripts import RecordKeyUse, Scripts
 
 log = logging.getLogger("steergate.gateway.keyuse")
 
 #: Seconds between flushes of last-use times (per replica).
 FLUSH_INTERVAL_S = 5.0
 
-#: KEYS[1]: the tenant's key hash (keys.tenant_keys), KEYS[2]: keys.key_last_used;
-#: ARGV: key_id, unix seconds, key_id, unix seconds, ...  One tenant: one slot.
-_FLUSH_LUA = """
-local n = 0
-for i = 1, #ARGV, 2 do
-  if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 1 then
-    local old = tonumber(redis.call('HGET', KEYS[2], ARGV[i]) or '0') or 0
-    if tonumber(ARGV[i + 1]) > old then
-      redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1])
-      n = n + 1
-    end
-  end
-end
-return n
-"""
-
 
 class KeyUse:
     """Replica-local last-use times, flushed to Redis in batches."""
 
-    def __init__(self, redis: Redis, interval_s: float = FLUSH_INTERVAL_S) -> None:
-        self.redis = redis
+    def __init__(self, scripts: Scripts, interval_s: float = FLUSH_INTERVAL_S) -> None:
+        self.scripts = scripts
         self.interval_s = interval_s
         self._pending: dict[str, tuple[str, float]] = {}  # key_id -> (tenant_id, unix s)
-        self._script = redis.register_script(_FLUSH_LUA)
         #: Script calls made by flushes (one per tenant per flush), for tests and logs.
         self.flush_calls = 0
 
@@ -63,11 +45,11 @@ class KeyUse:
         if not self._pending:
             return
         batch, self._pending = self._pending, {}
-        by_tenant: dict[str, list[str]] = defaultdict(list)
+        by_tenant: dict[str, list[tuple[str, float]]] = defaultdict(list)
         for key_id, (tenant_id, used) in batch.items():
-            by_tenant[tenant_id] += [key_id, f"{used:.3f}"]
+            by_tenant[tenant_id].append((key_id, used))
         results = await asyncio.gather(
-            *(self._write(tid, args) for tid, args in by_tenant.items()), return_exceptions=True
+            *(self._write(tid, uses) for tid, uses in by_tenant.items()), return_exceptions=True
         )
         failed = {
             tid
@@ -81,13 +63,9 @@ class KeyUse:
                     self._pending[key_id] = (tenant_id, used)
             log.warning("last-used flush failed for %d tenant(s); retrying later", len(failed))
 
-    async def _write(self, tenant_id: str, args: list[str]) -> int:
+    async def _write(self, tenant_id: str, uses: list[tuple[str, float]]) -> int:
         self.flush_calls += 1
-        return int(
-            await self._script(
-                keys=[keys.tenant_keys(tenant_id), keys.key_last_used(tenant_id)], args=args
-            )
-        )
+        return int(await self.scripts.run(RecordKeyUse(tenant_id=tenant_id, uses=uses)))
 
     async def run(self, stop: asyncio.Event) -> None:
         """Flush every ``interval_s`` until ``stop``, then once more."""

@@ -20,9 +20,12 @@ from typing import Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
+from steergate.shared.engine_api import DEFAULT_MAX_LATCHED_BYTES, DEFAULT_MAX_LATCHED_CONVERSATIONS
 from steergate.shared.errors import APIError, InvalidField
 
-DEFAULT_ENGINE_CAPS = (1024, 268435456)
+#: An engine's latch caps (count, bytes) until one has reported its own: the engine
+#: contract's defaults.
+DEFAULT_ENGINE_CAPS = (DEFAULT_MAX_LATCHED_CONVERSATIONS, DEFAULT_MAX_LATCHED_BYTES)
 BIG = 10**15  # keeps every limit an exact integer inside Lua's doubles
 
 

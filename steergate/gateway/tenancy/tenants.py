@@ -18,7 +18,8 @@ import orjson
 from pydantic import ValidationError
 
 from steergate.gateway.store import key_names as keys
-from steergate.gateway.store.connection import Redis, lua_source, store_errors
+from steergate.gateway.store.connection import Redis, store_errors
+from steergate.gateway.store.scripts import CasKey, Scripts, TakeKey
 from steergate.gateway.tenancy import api_keys as apikeys
 from steergate.gateway.tenancy.audit import AuditLog
 from steergate.gateway.tenancy.auth_cache import AuthCache
@@ -63,15 +64,17 @@ class TenantStore:
         on_deleted: OnTenantDeleted | None = None,
         cache_ttl_s: float = 30.0,
         refuse_overcommit: bool = False,
+        scripts: Scripts | None = None,
     ) -> None:
         self.redis = redis
+        self.scripts = scripts or Scripts.load(redis)
         self._pepper = pepper
         self._engine_caps = engine_caps or (lambda: None)
         self.refuse_overcommit = refuse_overcommit
         self.on_deleted = on_deleted
         self.cache = AuthCache(cache_ttl_s)
         self.events = Invalidations(redis, self.cache)
-        self.key_use = KeyUse(redis)
+        self.key_use = KeyUse(self.scripts)
         self.audit = AuditLog(redis)
 
     # -- tenants ---------------------------------------------------------------
@@ -93,9 +96,7 @@ class TenantStore:
         async with store_errors():
             created = await self.redis.set(keys.tenant_record(tenant_id), tenant.record(), nx=True)
             if not created:
-                raise APIError(
-                    "tenant_exists", f"tenant '{tenant_id}' already exists", param="id"
-                )
+                raise APIError("tenant_exists", f"tenant '{tenant_id}' already exists", param="id")
             await self.redis.sadd(keys.TENANT_INDEX, tenant_id)
         return tenant
 
@@ -247,13 +248,7 @@ class TenantStore:
             if not owner:
                 return None
             tenant_id, key_hash = owner.split(" ", 1)
-            raw = await self.redis.eval(
-                lua_source("take_key"),
-                2,
-                keys.tenant_keys(tenant_id),
-                keys.key_last_used(tenant_id),
-                key_id,
-            )
+            raw = await self.scripts.run(TakeKey(tenant_id=tenant_id, key_id=key_id))
             doc = orjson.loads(raw) if raw else {}
             for h in {key_hash, doc.get("hash"), doc.get("prev_hash")} - {None}:
                 await self.redis.delete(keys.key_lookup(h))
@@ -306,8 +301,8 @@ class TenantStore:
             doc.pop("prev_expires_at", None)
         new_lookup = keys.key_lookup(new_hash)
         await self.redis.set(new_lookup, lookup_value(tenant, key_id, doc))
-        swapped = await self.redis.eval(
-            lua_source("cas_key"), 1, keys.tenant_keys(tenant.id), key_id, raw, orjson.dumps(doc)
+        swapped = await self.scripts.run(
+            CasKey(tenant_id=tenant.id, key_id=key_id, expected=raw, new=orjson.dumps(doc))
         )
         if not swapped:  # revoked or rotated meanwhile; the new secret was never shown
             await self.redis.delete(new_lookup)
@@ -441,7 +436,6 @@ class TenantStore:
         return admin
 
     # -- invalidation ------------------------------------------------------------
-
 
     # -- overcommit ----------------------------------------------------------------
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from steergate.gateway.admission import usage
+from steergate.gateway.admission import refusals, usage
 from steergate.gateway.admission.limits import Limiter
 from steergate.gateway.store import key_names as keys
 from steergate.gateway.store.scripts import Scripts
@@ -108,7 +108,7 @@ async def test_rejections_by_cause_and_unattributed_remainder(env) -> None:
     for _ in range(2):
         with pytest.raises(APIError):
             await _admit(limiter, tenant)
-    await usage.record_rejection(store.redis, "acme", "rate_limit_exceeded", usage.now_ms())
+    await usage.record_rejection(store.redis, "acme", refusals.BY_CAUSE["rpm"], usage.now_ms())
     row = await usage.read_usage(store.redis, tenant, usage.now_ms())
     assert row.rejections["rate_limit_exceeded"] == 1
     assert row.rejections["unattributed"] == 1  # counted by the limiter, cause not recorded

@@ -527,7 +527,7 @@ def test_an_admission_replayed_after_its_deadline_writes_nothing(fresh: RedisPro
 def test_a_cancelled_admission_that_runs_late_takes_no_lease_and_a_resend_is_free(
     fresh: RedisProcess,
 ) -> None:
-    import steergate.gateway.admission.limits as limits_mod
+    from steergate.gateway.admission.admitted import Admission
     from steergate.gateway.admission.settlement import Settler
 
     tenant = _tenant(fresh.url, "acme", max_concurrency=1)
@@ -555,7 +555,7 @@ def test_a_cancelled_admission_that_runs_late_takes_no_lease_and_a_resend_is_fre
         assert r.hget("sg:{t:acme}:usage:total", "2xx") == "1"
         assert live_leases(r, "acme") == 0
         # The cancellation of "lease-b" reaches Redis before the admission itself.
-        lost = limits_mod.Admission(tenant, "lease-b", 10, None, False, "", [])
+        lost = Admission(tenant, "lease-b", 10, None, False, "", [])
         lost.lease_expiry_ms = int(time.time() * 1000) + 30_000
         settler.cancel(lost)
         await _drain(settler)
@@ -627,7 +627,7 @@ def test_settlements_are_retried_until_redis_takes_them(fresh: RedisProcess) -> 
 
 
 def test_back_pressure_sheds_the_tenant_with_the_most_queued_settlements_first() -> None:
-    from steergate.gateway.admission.limits import Admission
+    from steergate.gateway.admission.admitted import Admission
     from steergate.gateway.admission.settlement import Outcome, Settler
     from steergate.gateway.tenancy.records import Tenant
 

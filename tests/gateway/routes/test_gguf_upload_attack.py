@@ -64,7 +64,7 @@ def test_hostile_gguf_uploads_are_refused_fast_and_do_not_stall_other_requests(
 
 
 def test_valid_gguf_upload_still_stored(gateway: ServerThread, redis_url: str) -> None:
-    from steergate.shared.codecs import encode_gguf_control_vector
+    from steergate.shared.gguf import encode_gguf_control_vector
 
     key = make_tenant(redis_url, "alice")
     raw = encode_gguf_control_vector({2: np.arange(8, dtype=np.float32)})

@@ -311,7 +311,7 @@ def test_gguf_upload_is_decoded_and_forwarded_as_packed_float32(
 ) -> None:
     import numpy as np
 
-    from steergate.shared.codecs import encode_gguf_control_vector
+    from steergate.shared.gguf import encode_gguf_control_vector
 
     key = make_tenant(redis_url, "acme")
     raw = encode_gguf_control_vector({1: np.ones(8, np.float32), 2: np.zeros(8, np.float32)})

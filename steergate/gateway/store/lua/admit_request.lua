@@ -96,7 +96,7 @@ end
 
 local key_id = ARGV[18]
 local rollup_ttl = tonumber(ARGV[24])
--- By status (5, late, is never counted): keys.REFUSAL_CAUSES in steergate/gateway/store/key_names.py.
+-- By status (5, late, is never counted): the causes of gateway/refusals.py, by status.
 local CAUSES = {"rpm", "tpm", "concurrency", "latch", "", "budget", "key_rpm", "key_concurrency"}
 local function reject(status, retry, rr, rreset, tr, treset)
   redis.call("HINCRBY", KEYS[4], "429", 1)

@@ -1,0 +1,37 @@
+"""What an admitted request holds until it is settled: its lease, its reservation and
+what its response needs. Made by the limiter (``limits.py``), released and charged by
+settlement (``settlement.py``); neither module imports the other for it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from steergate.gateway.tenancy.records import Tenant
+
+
+@dataclass
+class Admission:
+    """An admitted request: what settlement and the response need."""
+
+    tenant: Tenant
+    lease_id: str
+    reserved_tokens: int
+    conversation_id: str | None
+    latch: bool
+    #: The conversation's ledger entry before this request ("bytes:kind[:digest]", "").
+    prev_latch: str
+    evicted: list[str]
+    headers: dict[str, str] = field(default_factory=dict)
+    unmetered: bool = False
+    #: Current content digest of each named vector the request uses ("" = no such vector).
+    vector_digests: dict[str, str] = field(default_factory=dict)
+    #: When the lease expires unless renewed (ms, this gateway's clock).
+    lease_expiry_ms: int = 0
+    #: The API key that made the request ("" for none): its rollups and its own limits.
+    key_id: str = ""
+
+    @property
+    def latch_digest(self) -> str:
+        """Digest of the latch Redis holds for the conversation ("" = none)."""
+        parts = self.prev_latch.split(":")
+        return parts[2] if len(parts) > 2 else ""

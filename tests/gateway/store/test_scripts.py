@@ -1,0 +1,137 @@
+"""The Lua loader (steergate/gateway/store/scripts.py): one builder per script, whose
+named fields land at the KEYS and ARGV positions each script's header comment documents."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import fakeredis
+import pytest
+
+from steergate.gateway.store import key_names as keys
+from steergate.gateway.store.scripts import (
+    CALLS,
+    LUA_DIR,
+    AdmitRequest,
+    CasKey,
+    DropLatch,
+    DropVector,
+    KeepLatch,
+    PutVector,
+    RecordKeyUse,
+    RenewLeases,
+    Scripts,
+    SettleRequest,
+    TakeKey,
+)
+from steergate.gateway.tenancy.records import Limits
+
+
+def test_every_lua_file_has_exactly_one_builder_and_one_loaded_script() -> None:
+    files = sorted(p.stem for p in LUA_DIR.glob("*.lua"))
+    builders = sorted(c.script for c in CALLS)
+    assert builders == files
+    assert sorted(f.name for f in dataclasses.fields(Scripts)) == files
+
+
+def test_builders_take_keyword_arguments_only() -> None:
+    with pytest.raises(TypeError):
+        DropVector("acme", "v")  # type: ignore[misc]
+
+
+def test_admit_request_puts_each_named_field_at_its_argv_position() -> None:
+    call = AdmitRequest(
+        tenant_id="acme",
+        now_ms=120_000,
+        limits=Limits(
+            rpm=2,
+            tpm=3,
+            max_concurrency=5,
+            latch_count=12,
+            latch_bytes=13,
+            latch_policy="reject",
+            token_budget={"tokens": 21, "period": "month"},
+        ),
+        cost=4,
+        lease_id="lease",
+        lease_expiry_ms=7,
+        conversation_id="conv",
+        store_latch=True,
+        latch_bytes=10,
+        latch_kind="value",
+        deadline_ms=16,
+        pending_horizon_ms=17,
+        key_id="key",
+        key_rpm=19,
+        key_concurrency=20,
+        budget_left_ms=23,
+        vector_names=["a", "b"],
+        finished_leases=["done"],
+    )
+    # admit_request.lua's header: ARGV[1] .. ARGV[25], then N names, M, M lease ids.
+    assert call.argv() == [
+        120_000, 2, 3, 4, 5, "lease", 7, "conv", "1", 10, "value", 12, 13, "reject",
+        keys.USAGE_MINUTE_TTL_S, 16, 17, "key", 19, 20, 21, "month", 23, keys.USAGE_DAY_TTL_S,
+        2, "a", "b", 1, "done",
+    ]  # fmt: skip
+    assert call.keys() == keys.admit_keys("acme", 2, "key")
+    assert call.keys()[12] == keys.key_gcra("acme", "key")  # KEYS[13]
+
+
+def test_settle_request_puts_each_named_field_at_its_argv_position() -> None:
+    call = SettleRequest(
+        tenant_id="acme",
+        now_ms=60_000,
+        lease_id="lease",
+        tpm=3,
+        token_delta=-4,
+        status_class="2xx",
+        tokens_used=6,
+        conversation_id="conv",
+        latch_action="keep",
+        prev_latch="9:ref",
+        cancel_expiry_ms=11,
+        prompt_tokens=12,
+        completion_tokens=13,
+        key_id="key",
+    )
+    assert call.argv() == [
+        60_000, "lease", 3, -4, "2xx", 6, "conv", "keep", "9:ref", keys.USAGE_MINUTE_TTL_S,
+        11, 12, 13, "key", keys.USAGE_DAY_TTL_S,
+    ]  # fmt: skip
+    assert call.keys() == keys.admit_keys("acme", 1, "key")
+
+
+def test_the_small_builders_follow_their_headers() -> None:
+    renew = RenewLeases(tenant_id="t", now_ms=1, expiry_ms=2, lease_ids=["x", "y"], storing=["c"])
+    assert renew.keys() == [keys.leases("t"), keys.latches("t"), keys.latch_info("t")]
+    assert renew.argv() == [1, 2, 2, "x", "y", "c"]
+    keep = KeepLatch(tenant_id="t", conversation_id="c", info="3:value:d", spec="s")
+    assert (keep.keys(), keep.argv()) == (keys.latch_keys("t"), ["c", "3:value:d", "s"])
+    assert DropLatch(tenant_id="t", conversation_ids=["a", "b"]).argv() == ["a", "b"]
+    put = PutVector(
+        tenant_id="t", name="v", meta="{}", nbytes=3, count_quota=4, bytes_quota=5, data="d"
+    )
+    assert (put.keys(), put.argv()) == (keys.vector_keys("t"), ["v", "{}", 3, 4, 5, "d"])
+    assert TakeKey(tenant_id="t", key_id="k").keys() == [
+        keys.tenant_keys("t"),
+        keys.key_last_used("t"),
+    ]
+    assert CasKey(tenant_id="t", key_id="k", expected="a", new="b").argv() == ["k", "a", "b"]
+    uses = RecordKeyUse(tenant_id="t", uses=[("k1", 1.5), ("k2", 2.0)])
+    assert uses.argv() == ["k1", "1.500", "k2", "2.000"]
+
+
+async def test_run_sends_the_named_arguments_to_their_script() -> None:
+    redis = fakeredis.FakeAsyncRedis(decode_responses=True)
+    scripts = Scripts.load(redis)
+    stored = await scripts.run(
+        PutVector(
+            tenant_id="t", name="v", meta='{"bytes":3}', nbytes=3, count_quota=1,
+            bytes_quota=10, data="body",
+        )
+    )  # fmt: skip
+    assert [int(stored[0]), stored[1]] == [0, ""]
+    assert await redis.hget(keys.vector_data("t"), "v") == "body"
+    assert int(await scripts.run(DropVector(tenant_id="t", name="v"))) == 1
+    assert await redis.hlen(keys.vectors("t")) == 0
