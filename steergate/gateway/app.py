@@ -18,6 +18,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware import Middleware
 
+from steergate.gateway import tracing
 from steergate.gateway.admission import refusals
 from steergate.gateway.admission.bodies import BodyParser
 from steergate.gateway.admission.limits import Limiter
@@ -25,7 +26,7 @@ from steergate.gateway.admission.refusals import Refused
 from steergate.gateway.admission.request_scoping import InlineBudget
 from steergate.gateway.admission.settlement import Settler
 from steergate.gateway.deps import Services
-from steergate.gateway.edge import openapi, tracing
+from steergate.gateway.edge import openapi
 from steergate.gateway.edge.body_limit import BodyLimitMiddleware
 from steergate.gateway.edge.metrics import Metrics
 from steergate.gateway.edge.metrics_middleware import MetricsMiddleware, record_rejection
@@ -168,7 +169,7 @@ def create_app(settings: GatewaySettings | None = None, *, redis: Redis | None =
 
     # The app's own registry; ``GET /metrics`` (in ``ROUTERS``) serves it.
     metrics = Metrics()
-    tracing.enable()  # OTEL_EXPORTER_OTLP_*: steergate/gateway/edge/tracing.py
+    tracing.enable()  # OTEL_EXPORTER_OTLP_*: steergate/gateway/tracing.py
     request_id.install_log_records()
     # No /docs or /redoc (FastAPI's load Swagger UI / ReDoc from a CDN), and the schema
     # only behind the admin key: see steergate/gateway/edge/openapi.py.

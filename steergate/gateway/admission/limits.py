@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 from steergate.gateway.admission import refusals
 from steergate.gateway.admission.admitted import Admission
 from steergate.gateway.admission.refusals import Refused
-from steergate.gateway.edge.tracing import span
 from steergate.gateway.store import key_names as keys
 from steergate.gateway.store.connection import store_errors, store_unavailable
 from steergate.gateway.store.scripts import AdmitRequest, Scripts
 from steergate.gateway.tenancy.records import Tenant
+from steergate.gateway.tracing import span
 from steergate.shared.errors import APIError
 
 if TYPE_CHECKING:

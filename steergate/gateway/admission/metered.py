@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Protocol, TypeVar
 
 from steergate.gateway.admission.admitted import Admission
+from steergate.gateway.admission.limits import Limiter
 from steergate.gateway.admission.settlement import Outcome, Settler
-from steergate.gateway.deps import Services
-from steergate.gateway.engines.upstream import UpstreamResponse
 from steergate.gateway.tenancy.records import ApiKey, Tenant
 from steergate.shared.errors import APIError
 
@@ -91,15 +91,24 @@ async def admitted(settler: Settler, admission: Awaitable[Admission]) -> AsyncIt
         call.settle(0)  # a body that returned without settling: never hold the lease
 
 
+class _Answer(Protocol):
+    @property
+    def status(self) -> int: ...
+
+
+A = TypeVar("A", bound=_Answer)
+
+
 async def metered_call(
-    svc: Services,
+    settler: Settler,
+    limiter: Limiter,
     tenant: Tenant,
-    call: Callable[[], Awaitable[UpstreamResponse]],
+    call: Callable[[], Awaitable[A]],
     api_key: ApiKey,
-) -> tuple[UpstreamResponse, dict[str, str]]:
-    """``call()``'s answer and the rate-limit headers to send with it (``api_key``: the
-    caller's, whose own limits apply too)."""
-    async with admitted(svc.settler, svc.limiter.admit_plain(tenant, api_key)) as metered:
+) -> tuple[A, dict[str, str]]:
+    """``call()``'s answer (an engine's, with a ``status``) and the rate-limit headers to
+    send with it (``api_key``: the caller's, whose own limits apply too)."""
+    async with admitted(settler, limiter.admit_plain(tenant, api_key)) as metered:
         r = await call()
         metered.settle(r.status)
         return r, metered.headers

@@ -37,9 +37,9 @@ from typing import Any
 from redis.exceptions import NoScriptError, ResponseError
 
 from steergate.gateway.admission.admitted import Admission
-from steergate.gateway.edge.tracing import span
 from steergate.gateway.store.connection import Redis, is_cluster
 from steergate.gateway.store.scripts import RenewLeases, Scripts, SettleRequest, evalsha
+from steergate.gateway.tracing import span
 from steergate.shared.engine_api import DROP_STATES, KEEP_STATES
 
 log = logging.getLogger("steergate.gateway.accounting")

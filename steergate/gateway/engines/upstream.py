@@ -27,7 +27,7 @@ from urllib.parse import urlencode, urlsplit
 
 import orjson
 
-from steergate.gateway.edge import tracing
+from steergate.gateway import tracing
 from steergate.gateway.engines import http1
 from steergate.shared import engine_api, request_id
 from steergate.shared.errors import APIError

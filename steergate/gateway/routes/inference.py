@@ -34,12 +34,12 @@ from steergate.gateway.admission.request_scoping import (
 )
 from steergate.gateway.admission.stream_meter import StreamMeter, prompt_estimate
 from steergate.gateway.deps import get_services
-from steergate.gateway.edge.tracing import span
 from steergate.gateway.engines.proxy import Turn
 from steergate.gateway.engines.upstream import (
     UpstreamBroken,
 )
 from steergate.gateway.tenancy.auth import caller_key, get_tenant
+from steergate.gateway.tracing import span
 from steergate.shared import engine_api
 from steergate.shared.capture import answer_bytes, check_up_front, parse_capture
 from steergate.shared.engine_api import LATCH_HEADER

@@ -27,7 +27,9 @@ router = APIRouter(tags=["models"])
 
 @router.get("/v1/models")
 async def list_models(request: Request, tenant: TenantDep, svc: ServicesDep) -> Response:
-    r, headers = await metered_call(svc, tenant, svc.engines.models, caller_key(request))
+    r, headers = await metered_call(
+        svc.settler, svc.limiter, tenant, svc.engines.models, caller_key(request)
+    )
     if r.status != 200:
         return _relay(r.status, scrub(r.body, tenant.id, error=True), headers)
     doc = _with_steering(r.json(), svc)
@@ -38,7 +40,9 @@ async def list_models(request: Request, tenant: TenantDep, svc: ServicesDep) -> 
 async def retrieve_model(
     model: str, request: Request, tenant: TenantDep, svc: ServicesDep
 ) -> Response:
-    r, headers = await metered_call(svc, tenant, svc.engines.models, caller_key(request))
+    r, headers = await metered_call(
+        svc.settler, svc.limiter, tenant, svc.engines.models, caller_key(request)
+    )
     if r.status != 200:
         return _relay(r.status, scrub(r.body, tenant.id, error=True), headers)
     for entry in _with_steering(r.json(), svc).get("data", []):

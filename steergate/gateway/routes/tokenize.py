@@ -25,7 +25,7 @@ router = APIRouter(tags=["tokenizer"])
 async def tokenize(request: Request, tenant: TenantDep, svc: ServicesDep) -> Response:
     content = orjson.dumps(await read_json_object(request))
     r, headers = await metered_call(
-        svc, tenant, lambda: svc.engines.tokenize(content), caller_key(request)
+        svc.settler, svc.limiter, tenant, lambda: svc.engines.tokenize(content), caller_key(request)
     )
     return _relay(r.status, r.body, tenant.id, headers)
 
@@ -34,7 +34,11 @@ async def tokenize(request: Request, tenant: TenantDep, svc: ServicesDep) -> Res
 async def detokenize(request: Request, tenant: TenantDep, svc: ServicesDep) -> Response:
     content = orjson.dumps(await read_json_object(request))
     r, headers = await metered_call(
-        svc, tenant, lambda: svc.engines.detokenize(content), caller_key(request)
+        svc.settler,
+        svc.limiter,
+        tenant,
+        lambda: svc.engines.detokenize(content),
+        caller_key(request),
     )
     return _relay(r.status, r.body, tenant.id, headers)
 

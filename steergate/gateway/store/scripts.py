@@ -26,7 +26,6 @@ from redis.exceptions import NoScriptError
 
 from steergate.gateway.store import key_names
 from steergate.gateway.store.connection import Redis
-from steergate.gateway.tenancy.records import Limits
 
 LUA_DIR = Path(__file__).resolve().parent / "lua"
 
@@ -80,6 +79,33 @@ class _KeyRecordCall:
 # -- admission and settlement (gateway/limits.py, gateway/accounting.py) ----------------
 
 
+class TokenBudget(Protocol):
+    @property
+    def tokens(self) -> int: ...
+    @property
+    def period(self) -> str: ...
+
+
+class AdmissionLimits(Protocol):
+    """What admission reads of a tenant's limits (tenancy/records.py ``Limits`` has
+    it): a structural type, so the store floor imports no tenancy model."""
+
+    @property
+    def rpm(self) -> int: ...
+    @property
+    def tpm(self) -> int: ...
+    @property
+    def max_concurrency(self) -> int: ...
+    @property
+    def latch_count(self) -> int: ...
+    @property
+    def latch_bytes(self) -> int: ...
+    @property
+    def latch_policy(self) -> str: ...
+    @property
+    def token_budget(self) -> TokenBudget | None: ...
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AdmitRequest:
     """admit_request.lua: the whole admission decision of one request."""
@@ -88,7 +114,7 @@ class AdmitRequest:
     tenant_id: str
     now_ms: int
     #: The tenant's limits: rpm, tpm, concurrency, latch quota and policy, token budget.
-    limits: Limits
+    limits: AdmissionLimits
     #: Tokens reserved (already capped at ``tpm``).
     cost: int
     lease_id: str

@@ -18,9 +18,9 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from steergate.gateway.edge.tracing import span
 from steergate.gateway.tenancy.api_keys import same_secret
 from steergate.gateway.tenancy.records import BOOTSTRAP_ADMIN, AdminKey, ApiKey, Tenant
+from steergate.gateway.tracing import span
 from steergate.shared.errors import APIError
 
 #: (path prefix, scope), first match wins; anything else is ``inference``.

@@ -1,4 +1,4 @@
-"""Optional OpenTelemetry tracing (steergate/gateway/edge/tracing.py): with an in-memory exporter, a
+"""Optional OpenTelemetry tracing (steergate/gateway/tracing.py): with an in-memory exporter, a
 request makes a server span carrying its tenant id and request id, spans opened with
 ``tracing.span`` nest under it, and the engine receives a ``traceparent`` of the same
 trace. With tracing off, no exporter exists, ``span`` is one shared no-op object, the
@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from steergate.gateway.edge import tracing
+from steergate.gateway import tracing
 from steergate.shared import engine_api
 from tests.gateway.conftest import ENGINE_TOKEN, make_tenant
 from tests.gateway.ops_env import bearer, chat_body
