@@ -536,21 +536,31 @@ def run_synthetic(args: argparse.Namespace, emit: Callable[[str], None]) -> None
             f"bit: {same}; steered step differs from stock: "
             f"{'yes' if differs else 'NO'}"
         )
+    _emit_tables(
+        emit,
+        rows,
+        f"step time, ms (median ±IQR), {args.repeats} interleaved repeats x {args.replays} replays",
+        "stock / variant (1.0 = free): ratio of medians [range of per-repeat paired ratios]",
+    )
+
+
+def _emit_tables(
+    emit: Callable[[str], None],
+    rows: list[tuple[int, dict[str, list[float]]]],
+    time_title: str,
+    ratio_title: str,
+) -> None:
+    """The two tables of a run: step times per variant, then stock / variant."""
     names = [k for k in rows[0][1] if k != "stock"]
     emit("")
-    emit(
-        f"step time, ms (median ±IQR), {args.repeats} interleaved repeats x {args.replays} replays"
-    )
+    emit(time_title)
     emit("| tokens | stock | " + " | ".join(names) + " |")
     emit("|---|---|" + "---|" * len(names))
     for n, times in rows:
-        emit(
-            f"| {n} | {_fmt_ms(times['stock'])} | "
-            + " | ".join(_fmt_ms(times[k]) for k in names)
-            + " |"
-        )
+        cells = " | ".join(_fmt_ms(times[k]) for k in names)
+        emit(f"| {n} | {_fmt_ms(times['stock'])} | {cells} |")
     emit("")
-    emit("stock / variant (1.0 = free): ratio of medians [range of per-repeat paired ratios]")
+    emit(ratio_title)
     emit("| tokens | " + " | ".join(names) + " |")
     emit("|---|" + "---|" * len(names))
     for n, times in rows:
@@ -753,26 +763,13 @@ def run_compiled(args: argparse.Namespace, emit: Callable[[str], None]) -> None:
         )
     if not rows:
         return
-    names = [k for k in rows[0][1] if k != "stock"]
-    emit("")
-    emit(
+    _emit_tables(
+        emit,
+        rows,
         f"compiled step ({n_layers} layers), ms (median ±IQR), {args.repeats} repeats x "
-        f"{args.replays} replays"
+        f"{args.replays} replays",
+        "compiled: stock / variant (1.0 = free): ratio of medians [range of paired ratios]",
     )
-    emit("| tokens | stock | " + " | ".join(names) + " |")
-    emit("|---|---|" + "---|" * len(names))
-    for n, times in rows:
-        emit(
-            f"| {n} | {_fmt_ms(times['stock'])} | "
-            + " | ".join(_fmt_ms(times[k]) for k in names)
-            + " |"
-        )
-    emit("")
-    emit("compiled: stock / variant (1.0 = free): ratio of medians [range of paired ratios]")
-    emit("| tokens | " + " | ".join(names) + " |")
-    emit("|---|" + "---|" * len(names))
-    for n, times in rows:
-        emit(f"| {n} | " + " | ".join(_fmt_ratio(times["stock"], times[k]) for k in names) + " |")
 
 
 # ---- through vLLM (where its CUDA build is installed) ----------------------------

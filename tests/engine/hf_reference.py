@@ -265,6 +265,21 @@ def _greedy(
             h.remove()
 
 
+def add_term(site: Site, vec: np.ndarray) -> dict[str, Any]:
+    """One ``steering.vectors[]`` add term as JSON arrays."""
+    return {"hook": site[0], "layers": {str(site[1]): [float(x) for x in vec]}}
+
+
+def clamp_term(c: Clamp) -> dict[str, Any]:
+    """The request term of a reference :class:`Clamp` (one-sided bounds left out)."""
+    term: dict[str, Any] = {**add_term(c.site, c.direction), "op": "clamp", "strength": c.strength}
+    if c.lo is not None:
+        term["min"] = c.lo
+    if c.hi is not None:
+        term["max"] = c.hi
+    return term
+
+
 def steering_field(sites: Mapping[Site, np.ndarray], phase: str = "all") -> dict[str, Any]:
     """The public ``steering`` request field for these sites (packed float32 terms)."""
     by_hook: dict[str, list[tuple[int, np.ndarray]]] = {}

@@ -29,7 +29,9 @@ from steergate.shared.positions import parse_tokens
 from tests.engine.hf_reference import (
     Clamp,
     Generation,
+    add_term,
     assert_matches,
+    clamp_term,
     completion_body,
     max_abs_diff,
     reference,
@@ -107,23 +109,10 @@ CASES: list[Case] = [
 ]
 
 
-def _term(site: Site, vec: np.ndarray) -> dict[str, Any]:
-    return {"hook": site[0], "layers": {str(site[1]): [float(x) for x in vec]}}
-
-
-def _clamp(c: Clamp) -> dict[str, Any]:
-    term: dict[str, Any] = {**_term(c.site, c.direction), "op": "clamp", "strength": c.strength}
-    if c.lo is not None:
-        term["min"] = c.lo
-    if c.hi is not None:
-        term["max"] = c.hi
-    return term
-
-
 def _body(engine: EngineProcess, prompt: list[int], case: Case) -> dict[str, Any]:
     adds, clamps, tokens = case
     body = completion_body(str(engine.model), prompt, N)
-    terms = [_term(s, v) for s, v in adds.items()] + [_clamp(c) for c in clamps]
+    terms = [add_term(s, v) for s, v in adds.items()] + [clamp_term(c) for c in clamps]
     if terms:
         body["steering"] = {"vectors": terms}
         if tokens is not None:

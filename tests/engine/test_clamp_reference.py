@@ -18,8 +18,10 @@ from tests.engine.hf_reference import (
     PROMPT,
     Clamp,
     Generation,
+    add_term,
     assert_matches,
     capture_field,
+    clamp_term,
     completion_body,
     iteration_buckets,
     max_abs_diff,
@@ -36,23 +38,10 @@ N = 10
 Site = tuple[str, int]
 
 
-def _add(site: Site, vec: np.ndarray) -> dict[str, Any]:
-    return {"hook": site[0], "layers": {str(site[1]): [float(x) for x in vec]}}
-
-
-def _clamp(c: Clamp) -> dict[str, Any]:
-    term: dict[str, Any] = {**_add(c.site, c.direction), "op": "clamp", "strength": c.strength}
-    if c.lo is not None:
-        term["min"] = c.lo
-    if c.hi is not None:
-        term["max"] = c.hi
-    return term
-
-
 def _body(engine: EngineProcess, adds: dict[Site, np.ndarray], clamps: list[Clamp],
           prompt: list[int] = PROMPT, n_tokens: int = N, **extra: Any) -> dict[str, Any]:
     body = completion_body(str(engine.model), prompt, n_tokens, **extra)
-    terms = [_add(s, v) for s, v in adds.items()] + [_clamp(c) for c in clamps]
+    terms = [add_term(s, v) for s, v in adds.items()] + [clamp_term(c) for c in clamps]
     if terms:
         body["steering"] = {"vectors": terms}
     return body
@@ -187,18 +176,18 @@ def test_engine_answers_bad_clamps_with_400s_naming_the_field(
 ) -> None:
     v = unit_vector(91)
     bad = [
-        ({**_add(("post_block", 1), v), "op": "clamp", "min": 2, "max": 1},
+        ({**add_term(("post_block", 1), v), "op": "clamp", "min": 2, "max": 1},
          "steering.vectors[0].min"),
-        ({**_add(("post_block", 1), v), "op": "clamp"}, "steering.vectors[0].min"),
-        ({**_add(("post_block", 1), v * 0), "op": "ablate"}, "steering.vectors[0].layers.1"),
+        ({**add_term(("post_block", 1), v), "op": "clamp"}, "steering.vectors[0].min"),
+        ({**add_term(("post_block", 1), v * 0), "op": "ablate"}, "steering.vectors[0].layers.1"),
     ]
     for term, param in bad:
         body = completion_body(str(f32_engine.model), PROMPT, 2, steering={"vectors": [term]})
         r = httpx.post(f"{f32_engine.url}/v1/completions", json=body,
                        headers=f32_engine.headers, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
-    five = [{**_add(("post_block", 1), unit_vector(i)), "op": "ablate"} for i in range(3)]
-    five += [{**_add(("pre_attn", 2), unit_vector(i + 10)), "op": "ablate"} for i in range(2)]
+    five = [{**add_term(("post_block", 1), unit_vector(i)), "op": "ablate"} for i in range(3)]
+    five += [{**add_term(("pre_attn", 2), unit_vector(i + 10)), "op": "ablate"} for i in range(2)]
     body = completion_body(str(f32_engine.model), PROMPT, 2, steering={"vectors": five})
     r = httpx.post(f"{f32_engine.url}/v1/completions", json=body, headers=f32_engine.headers,
                    timeout=60)

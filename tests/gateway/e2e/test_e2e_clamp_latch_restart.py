@@ -25,7 +25,9 @@ from tests.engine.hf_reference import (
     PROMPT,
     Clamp,
     Generation,
+    add_term,
     assert_matches,
+    clamp_term,
     completion_body,
     max_abs_diff,
     parse_completion,
@@ -57,20 +59,7 @@ REF_CLAMPS = [
 ]
 
 
-def _layers(site: tuple[str, int], vec: np.ndarray) -> dict[str, Any]:
-    return {"hook": site[0], "layers": {str(site[1]): [float(x) for x in vec]}}
-
-
-def _clamp_term(c: Clamp) -> dict[str, Any]:
-    term: dict[str, Any] = {**_layers(c.site, c.direction), "op": "clamp", "strength": c.strength}
-    if c.lo is not None:
-        term["min"] = c.lo
-    if c.hi is not None:
-        term["max"] = c.hi
-    return term
-
-
-BY_VALUE = {"vectors": [_layers(*ADD)] + [_clamp_term(c) for c in VALUE_CLAMPS]}
+BY_VALUE = {"vectors": [add_term(*ADD)] + [clamp_term(c) for c in VALUE_CLAMPS]}
 BY_REF = {
     "vectors": [
         {"name": "lift", "op": "clamp", "max": -2.0, "strength": 0.75},
@@ -141,7 +130,7 @@ def test_clamp_latches_survive_an_engine_restart_with_identical_tokens(
     for name, (site, vec) in NAMED.items():
         r = httpx.put(
             gw.url + f"/v1/steering/vectors/{name}",
-            json=_layers(site, vec),
+            json=add_term(site, vec),
             headers={"Authorization": f"Bearer {key}"},
             timeout=30,
         )
