@@ -16,8 +16,7 @@ model list, the tokenizer; one request against requests/min and concurrency, no 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Protocol, TypeVar
 
 from steergate.gateway.admission.admitted import Admission
@@ -73,22 +72,41 @@ class Admitted:
         self.handed_off = True
 
 
-@contextlib.asynccontextmanager
-async def admitted(settler: Settler, admission: Awaitable[Admission]) -> AsyncIterator[Admitted]:
+class _Bracket:
+    """``async with admitted(...) as call``: a plain class rather than a generator-based
+    context manager, because it wraps every request (it saves the generator's frame and
+    its throw-in on each exit)."""
+
+    __slots__ = ("_admission", "_call", "_settler")
+
+    def __init__(self, settler: Settler, admission: Awaitable[Admission]) -> None:
+        self._settler = settler
+        self._admission = admission
+        self._call: Admitted | None = None
+
+    async def __aenter__(self) -> Admitted:
+        self._call = Admitted(self._settler, await self._admission)
+        return self._call
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
+        call = self._call
+        assert call is not None
+        if exc is None:
+            if not call.handed_off:
+                call.settle(0)  # a body that returned without settling: never hold the lease
+        elif isinstance(exc, APIError):
+            call.settle(exc.status)
+            exc.headers = {**call.headers, **exc.headers}
+        else:
+            call.settle(0)  # the client went away: release the lease now
+
+
+def admitted(settler: Settler, admission: Awaitable[Admission]) -> _Bracket:
     """Admit (``admission``: a ``Limiter.admit`` or ``admit_plain`` call), run the body,
     settle once (see the module docstring)."""
-    call = Admitted(settler, await admission)
-    try:
-        yield call
-    except APIError as exc:
-        call.settle(exc.status)
-        exc.headers = {**call.headers, **exc.headers}
-        raise
-    except BaseException:
-        call.settle(0)  # the client went away: release the lease now
-        raise
-    if not call.handed_off:
-        call.settle(0)  # a body that returned without settling: never hold the lease
+    return _Bracket(settler, admission)
 
 
 class _Answer(Protocol):
