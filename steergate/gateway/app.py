@@ -12,6 +12,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+import httpx
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
@@ -77,7 +78,10 @@ ROUTERS = (
 
 
 def build_services(
-    settings: GatewaySettings, redis: Redis | None = None, pool: EnginePool | None = None
+    settings: GatewaySettings,
+    redis: Redis | None = None,
+    pool: EnginePool | None = None,
+    engine_transport: httpx.AsyncBaseTransport | None = None,
 ) -> Services:
     if redis is None:
         redis = connect(
@@ -89,6 +93,7 @@ def build_services(
         settings.engine_token.get_secret_value() if settings.engine_token else "",
         connect_timeout_s=settings.engine_connect_timeout_s,
         read_timeout_s=settings.engine_read_timeout_s,
+        transport=engine_transport,
     )
     engines = EngineClient(pool)
     sync = EngineSync(redis, engines, full_sync_interval_s=settings.engine_sync_interval_s)
@@ -137,12 +142,19 @@ def build_services(
     )
 
 
-def create_app(settings: GatewaySettings | None = None, *, redis: Redis | None = None) -> FastAPI:
+def create_app(
+    settings: GatewaySettings | None = None,
+    *,
+    redis: Redis | None = None,
+    engine_transport: httpx.AsyncBaseTransport | None = None,
+) -> FastAPI:
+    """``engine_transport`` (tests only): talk to the engines through this httpx
+    transport, e.g. ``httpx.ASGITransport(app=engine_app)``, instead of sockets."""
     settings = settings or GatewaySettings()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        svc = build_services(settings, redis)
+        svc = build_services(settings, redis, engine_transport=engine_transport)
         app.state.services = svc
         svc.settler.on_outcome = app.state.metrics.observe_outcome
         # Accessors for the admin / usage / dashboard / metrics routers.

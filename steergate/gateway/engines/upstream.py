@@ -7,6 +7,11 @@ The client is ``steergate/gateway/engines/http1.py``, a small pooled HTTP/1.1 cl
 ``httptools`` (private to this module): httpx's pure-Python request machinery was
 the largest part of the gateway's added latency.
 
+Test seam: ``EnginePool(..., transport=...)`` (and ``create_app(engine_transport=...)``)
+takes an ``httpx.AsyncBaseTransport``, e.g. ``httpx.ASGITransport(app=engine_app)``, and
+sends every engine call through it in-process instead of over sockets. Production never
+passes one: the default (None) keeps the http1 client, untouched.
+
 Routing: a conversation always goes to the same engine (rendezvous hashing on its
 scoped id, so adding/removing an engine moves only its share); other requests go to
 the engine with the fewest requests in flight. Engine info (shape, caps, epoch) is
@@ -25,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlencode, urlsplit
 
+import httpx
 import orjson
 
 from steergate.gateway import tracing
@@ -79,7 +85,7 @@ class UpstreamResponse:
 class UpstreamStream:
     status: int
     headers: dict[str, str]
-    _response: http1.Response = field(repr=False)
+    _response: http1.Response | _TransportResponse = field(repr=False)
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body as the engine sends it (de-chunked), never buffered here."""
@@ -122,6 +128,76 @@ def _unavailable(engine: Engine, exc: Exception) -> APIError:
 SyncCallback = Callable[[Engine], Awaitable[None]]
 
 
+class _TransportResponse:
+    """An httpx response in the shape of ``http1.Response`` (status, headers, read,
+    iter_chunks, aclose), with httpx errors raised as ``http1`` ones."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        self._response = response
+        self.status = response.status_code
+        self.headers = {k.lower(): v for k, v in response.headers.items()}
+
+    async def iter_chunks(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._response.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as exc:
+            raise http1.ProtocolError(str(exc)) from exc
+
+    async def read(self) -> bytes:
+        try:
+            return await self._response.aread()
+        except httpx.HTTPError as exc:
+            raise http1.ProtocolError(str(exc)) from exc
+
+    async def aclose(self) -> None:
+        await self._response.aclose()
+
+
+class _TransportClient:
+    """``http1.Client.send`` over an injected ``httpx.AsyncBaseTransport`` (the test
+    seam; see the module docstring). Never used unless a transport is passed."""
+
+    def __init__(
+        self, transport: httpx.AsyncBaseTransport, headers: dict[str, str], read_timeout_s: float
+    ) -> None:
+        # identity: the bytes are relayed as the engine sent them, as over http1.
+        self._client = httpx.AsyncClient(
+            transport=transport, headers={**headers, "accept-encoding": "identity"}
+        )
+        self.read_timeout_s = read_timeout_s
+
+    async def send(
+        self,
+        method: str,
+        origin: str,
+        target: str,
+        *,
+        content: bytes | None = None,
+        content_type: str | None = None,
+        read_timeout_s: float | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> _TransportResponse:
+        http1.check_target(method, target)
+        extra = dict(headers or {})
+        if content_type is not None:
+            extra["content-type"] = content_type
+        timeout = self.read_timeout_s if read_timeout_s is None else read_timeout_s
+        request = self._client.build_request(
+            method, origin + target, content=content, headers=extra, timeout=timeout
+        )
+        try:
+            response = await self._client.send(request, stream=True)
+        except httpx.TimeoutException as exc:
+            raise http1.ReadTimeout(str(exc)) from exc
+        except httpx.HTTPError as exc:
+            raise http1.ConnectError(str(exc)) from exc
+        return _TransportResponse(response)
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
 class EnginePool:
     """The engines behind this gateway and the one HTTP client that talks to them."""
 
@@ -133,13 +209,19 @@ class EnginePool:
         connect_timeout_s: float = 5.0,
         read_timeout_s: float = 600.0,
         max_connections: int = http1.MAX_CONNECTIONS,  # per engine; more wait their turn
+        transport: httpx.AsyncBaseTransport | None = None,  # tests only: in-process engines
     ) -> None:
         self.engines = [Engine(u) for u in urls]
-        self._client = http1.Client(
-            headers={"authorization": f"Bearer {token}"},
-            connect_timeout_s=connect_timeout_s,
-            read_timeout_s=read_timeout_s,
-            max_connections=max_connections,
+        headers = {"authorization": f"Bearer {token}"}
+        self._client: http1.Client | _TransportClient = (
+            http1.Client(
+                headers=headers,
+                connect_timeout_s=connect_timeout_s,
+                read_timeout_s=read_timeout_s,
+                max_connections=max_connections,
+            )
+            if transport is None
+            else _TransportClient(transport, headers, read_timeout_s)
         )
         self._rr = 0
         #: Called for a healthy engine that is dirty (restarted, back from an outage or
