@@ -106,10 +106,9 @@ def apply(
 ) -> None:
     if table is None:
         return
-    # Under torch.compile on CUDA the body is traced into the graph (as the add's is,
-    # steergate/engine/worker/op.py ``apply``): Inductor fuses the K steps into the neighbouring
-    # kernels instead of ~5K + 4 launches of the eager body at every point.
-    if hidden.is_cuda and op.CUDA_COMPILED_BODY == "inductor" and torch.compiler.is_compiling():
+    # With STEERGATE_CUDA_COMPILED_STEER=inductor, a graph compiled on CUDA traces the
+    # body for Inductor to schedule with its neighbours, as the add's (op.traced_body).
+    if op.traced_body(hidden):
         torch_clamp(hidden, residual, table.dirs, table.bounds, index)
     else:
         torch.ops.steergate.clamp(hidden, residual, table.dirs, table.bounds, index)

@@ -76,6 +76,13 @@ def _steer_fake(hidden: torch.Tensor, table: torch.Tensor, index: torch.Tensor) 
 CUDA_COMPILED_BODY = os.environ.get("STEERGATE_CUDA_COMPILED_STEER", "kernel")
 
 
+def traced_body(hidden: torch.Tensor) -> bool:
+    """Whether a site on ``hidden`` runs its torch body traced into the graph being
+    compiled (CUDA, ``CUDA_COMPILED_BODY == "inductor"``) rather than the custom op;
+    the add and the clamp decide alike."""
+    return hidden.is_cuda and CUDA_COMPILED_BODY == "inductor" and torch.compiler.is_compiling()
+
+
 def apply(hidden: torch.Tensor, table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Add each token's row in place and return ``hidden`` so callers can chain it.
 
@@ -86,7 +93,7 @@ def apply(hidden: torch.Tensor, table: torch.Tensor, index: torch.Tensor) -> tor
     Otherwise the custom op, which compiled graphs call opaquely.
     The choice depends on the device and on whether a graph is being traced, both fixed
     for a captured graph: never on request contents."""
-    if hidden.is_cuda and CUDA_COMPILED_BODY == "inductor" and torch.compiler.is_compiling():
+    if traced_body(hidden):
         torch_steer(hidden, table, index)
     else:
         torch.ops.steergate.steer(hidden, table, index)
