@@ -27,8 +27,11 @@ def steergate_factor() -> str:
     # The clamp cap decides whether the wrappers call the clamp op at all (0: never)
     # and the shapes of its tables, so graphs compiled under another cap must not load.
     h.update(f"|clamps:{EngineSettings().max_clamps_per_site}|".encode())
-    # So does the body a graph compiled on CUDA traces at each site (op.py).
-    h.update(f"|cuda-body:{EngineSettings().cuda_compiled_steer}|".encode())
+    # So does the body a graph compiled on CUDA traces at each site: the value op.py
+    # acts on, so the tag cannot disagree with the graph.
+    from steergate.engine.worker import op
+
+    h.update(f"|cuda-body:{op.CUDA_COMPILED_BODY}|".encode())
     for path in sorted(Path(__file__).parent.glob("*.py")):
         h.update(path.name.encode())
         h.update(path.read_bytes())
