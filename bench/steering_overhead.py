@@ -13,6 +13,7 @@ rest two-sided clamps) at every layer's ``post_block`` (issue 20).
 
     VLLM_CPU_KVCACHE_SPACE=2 .venv/bin/python bench/steering_overhead.py --repeats 5
     VLLM_CPU_KVCACHE_SPACE=2 .venv/bin/python bench/steering_overhead.py --clamps 4
+    .venv/bin/python bench/steering_overhead.py --micro-only --hidden 576 --layers 30 --clamps 4
 """
 
 from __future__ import annotations
@@ -100,6 +101,53 @@ def _micro_clamp(hidden: int, points: int, tokens: int, k: int, iters: int = 500
           f"idle {idle:.0f} us/forward, active {active:.0f} us/forward")
 
 
+def _micro_point(hidden: int, points: int, tokens: int, k: int, iters: int = 500,
+                 repeats: int = 7) -> None:
+    """An idle step's points with clamp tables (no live table: what every unsteered
+    step pays once the plugin is loaded): the add and the clamps as two ops per point
+    (before) against one ``steer_and_clamp`` per point (now). Interleaved repeats."""
+    import torch
+
+    from steergate.engine.worker import clamp
+
+    tables = [(torch.zeros(tokens + 1, hidden, dtype=torch.bfloat16),
+               clamp.ClampTable(tokens + 1, k, hidden, torch.device("cpu")))
+              for _ in range(points)]
+    index = torch.zeros(tokens, dtype=torch.int64)
+    hidden_states = torch.zeros(tokens, hidden, dtype=torch.bfloat16)
+    residual = torch.zeros(tokens, hidden, dtype=torch.bfloat16)
+
+    def two() -> None:
+        for add, c in tables:
+            torch.ops.steergate.steer(hidden_states, add, index)
+            torch.ops.steergate.clamp(hidden_states, residual, c.dirs, c.bounds, index)
+
+    def one() -> None:
+        for add, c in tables:
+            torch.ops.steergate.steer_and_clamp(hidden_states, residual, add, c.dirs,
+                                                c.bounds, index)
+
+    def per_forward(fn) -> float:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t0) / iters * 1e6
+
+    got: dict[str, list[float]] = {"two": [], "one": []}
+    per_forward(two), per_forward(one)  # warm-up
+    for i in range(repeats):
+        order = [("two", two), ("one", one)]
+        for name, fn in (order if i % 2 == 0 else order[::-1]):
+            got[name].append(per_forward(fn))
+
+    def fmt(xs: list[float]) -> str:
+        return f"{statistics.median(xs):.0f} us/forward ({min(xs):.0f}-{max(xs):.0f})"
+
+    print(f"idle points with clamp tables, {points} points x K={k} x {tokens} tokens x {hidden}, "
+          f"median of {repeats} (min-max): add + clamp as two ops {fmt(got['two'])}; "
+          f"steer_and_clamp {fmt(got['one'])}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=16)
@@ -113,7 +161,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", help="use this model folder instead of generating one")
     ap.add_argument("--clamps", type=int, default=0,
                     help="clamp directions per steered request at every post_block (<= 4)")
+    ap.add_argument("--micro-only", action="store_true",
+                    help="only the ops alone at --hidden/--layers/--batch (no vLLM run)")
     args = ap.parse_args(argv)
+    if args.micro_only:
+        sys.path.insert(0, str(ROOT))
+        _micro(args.hidden, 2 * args.layers + 1, args.batch)
+        _micro_clamp(args.hidden, 2 * args.layers + 1, args.batch, max(args.clamps, 1))
+        _micro_point(args.hidden, 2 * args.layers + 1, args.batch, max(args.clamps, 1))
+        return 0
 
     sys.path.insert(0, str(ROOT))
     from bench.offline import offline_llm, shape, token_prompts
@@ -168,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"best   unsteered {bp:.1f} tok/s, steered {bs:.1f} tok/s, ratio {bs / bp:.3f}")
     _micro(hidden, len(hooks) * layers, args.batch)
     _micro_clamp(hidden, 2 * layers + 1, args.batch, max(args.clamps, 1))
+    _micro_point(hidden, 2 * layers + 1, args.batch, max(args.clamps, 1))
     # Offline vLLM sometimes hangs at interpreter exit with its engine-core process
     # still up; shut it down explicitly, then leave without running atexit hooks.
     llm.llm_engine.engine_core.shutdown()

@@ -32,7 +32,9 @@ engine's clamp tables (``--clamps K`` per point, 0: none): ``stock``, ``kernel``
 custom ops, opaque to Inductor: the default) and ``inductor`` (their torch bodies traced
 into the graph, ``STEERGATE_CUDA_COMPILED_STEER=inductor``), unsteered, steered, and
 steered with K clamps at every ``post_block``; ``--compiled-layers`` (8) keeps compile
-time short (the op's cost and the step's both scale with the layer count).
+time short (the op's cost and the step's both scale with the layer count). With clamp
+tables each point is one op, ``steergate::steer_and_clamp`` (one fused launch: the add,
+then the clamps), as in the engine.
 
 Where vLLM's CUDA build is installed and ``--vllm-model`` names a model, it also times
 ``vllm.LLM.generate`` with the plugin off / on unsteered / on steered (skipped otherwise).
@@ -292,6 +294,20 @@ def check_clamp_kernel() -> list[str]:
             lines.append(
                 f"  clamp kernel ~ torch  {str(dtype):15} width {width:5}: "
                 f"{'ok' if ok else 'MISMATCH'} (max rel {err:.1e})"
+            )
+            # The point's add and clamps in one launch == the add kernel, then the clamp
+            # kernel, bit for bit (bfloat16 included: the interpreter cannot check it).
+            add = torch.randn(9, width, device=DEVICE, generator=gen).to(dtype)
+            add[0] = 0
+            merged, sequence = hidden.clone(), hidden.clone()
+            fused.steer_and_clamp(merged, residual, add, table.dirs, table.bounds, index)
+            fused.gather_add(sequence, add, index)
+            fused.clamp(sequence, residual, table.dirs, table.bounds, index)
+            same = torch.equal(_bits(merged), _bits(sequence))
+            same = same and torch.equal(_bits(merged[0]), _bits(hidden[0]))
+            lines.append(
+                f"  add+clamp, one launch == two launches  {str(dtype):15} width {width:5}: "
+                f"{'bit-identical' if same else 'MISMATCH'}"
             )
     return lines
 

@@ -115,6 +115,11 @@ def test_wrapped_model_clamps_at_each_named_point_after_the_add() -> None:
     assert _run(add, [Resolved(("post_block", 0), _e(0), Bounds(None, 5.0))])[0] == 30.0
     # pre_attn 1 is the same point: the add of post_block 0 comes first, then the clamp.
     assert _run(add, [Resolved(("pre_attn", 1), _e(0), Bounds(None, 5.0))])[0] == 30.0
+    # add 1 then clamp at post_attn 0 (3 + 1 = 4 -> max 3.5), both at the point where
+    # the fused add-norm receives attention's output: 3.5 * 2 * 6 = 42 (48 unclamped).
+    att = {("post_attn", 0): _e(0)}
+    assert _run(att)[0] == 48.0
+    assert _run(att, [Resolved(("post_attn", 0), _e(0), Bounds(None, 3.5))])[0] == 42.0
     # strength interpolates: 7 + 0.25 * (5 - 7) = 6.5 -> 39.
     assert _run(add, [Resolved(("post_block", 0), _e(0), Bounds(None, 5.0, 0.25))])[0] == 39.0
     # pre_attn 0 ablation zeroes the component for the whole model; the other stays.
@@ -208,3 +213,63 @@ def test_scaled_residual_convention_clamps_the_stream_in_place() -> None:
     assert run([]).tolist()[:2] == [16.0, 16.0]
     assert run([Resolved(("post_attn", 0), _e(0), Bounds(None, 1.0))]).tolist()[:2] == [8.0, 16.0]
     assert run([Resolved(("post_block", 1), _e(0), Bounds(20.0, None))])[0] == 20.0
+
+
+def _op_calls(model: torch.nn.Module, x: torch.Tensor) -> dict[str, int]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model(x)
+    names = [e.name for e in prof.events() if e.name.startswith("steergate::")]
+    return {n: names.count(n) for n in set(names)}
+
+
+def test_each_point_with_an_add_and_clamps_is_one_op() -> None:
+    """On CUDA each op is a launch, and inside a graph launches are the cost: a point
+    with both tables calls steer_and_clamp once, not steer then clamp. The two layers
+    have 5 points (pre_attn 1 is post_block 0's), each called once per forward whether
+    anything is steered or not; without clamp tables the same 5 points call steer."""
+    model = _Model()
+    layers, present = find_decoder_layers(model)
+    t = _tables(layers=present)
+    wrap_layers(layers, present, t)
+    t.fill([], 1)
+    calls = _op_calls(model, torch.zeros(1, H))
+    assert {k: v for k, v in calls.items() if k != "steergate::capture"} == {
+        "steergate::steer_and_clamp": 5
+    }
+    model = _Model()
+    layers, present = find_decoder_layers(model)
+    t = _tables(layers=present, k=0)
+    wrap_layers(layers, present, t)
+    t.fill([], 1)
+    calls = _op_calls(model, torch.zeros(1, H))
+    assert {k: v for k, v in calls.items() if k != "steergate::capture"} == {"steergate::steer": 5}
+
+
+def test_steer_and_clamp_is_the_add_then_the_clamps_bit_for_bit() -> None:
+    gen = torch.Generator().manual_seed(3)
+    slots, k, n = 4, 2, 6
+    table = torch.randn(slots, H, generator=gen)
+    table[0] = 0
+    dirs = torch.randn(slots, k, H, generator=gen)
+    dirs = dirs / dirs.norm(dim=-1, keepdim=True)
+    dirs[0] = 0
+    bounds = torch.tensor([[-0.2, 0.3, 1.0], [-math.inf, 0.1, 0.5]]).repeat(slots, 1, 1)
+    bounds[0] = torch.tensor([-math.inf, math.inf, 0.0])
+    index = torch.tensor([0, 1, 2, 3, 1, 0, 0, 0])
+    hidden, residual = torch.randn(n, H, generator=gen), torch.randn(n, H, generator=gen)
+    want = hidden.clone()
+    op.torch_steer(want, table, index)
+    torch_clamp(want, residual, dirs, bounds, index)
+    got = hidden.clone()
+    op.mark_live(table, True)
+    op.mark_live(dirs, True)
+    try:
+        torch.ops.steergate.steer_and_clamp(got, residual, table, dirs, bounds, index)
+    finally:
+        op.mark_live(table, False)
+        op.mark_live(dirs, False)
+    assert torch.equal(got, want) and not torch.equal(got, hidden)
+    # dead tables on CPU: nothing runs, nothing changes
+    idle = hidden.clone()
+    torch.ops.steergate.steer_and_clamp(idle, residual, table, dirs, bounds, index)
+    assert torch.equal(idle, hidden)

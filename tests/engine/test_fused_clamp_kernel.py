@@ -4,7 +4,11 @@ rounding (its dot products sum in another order), rows at slot 0 untouched bit f
 
 The kernel runs in a child process: Triton's interpreter only interprets the language's
 own jitted helpers (``tl.sum``) when Triton is first imported with ``TRITON_INTERPRET=1``,
-and in a long test session something (Inductor) has usually imported it already."""
+and in a long test session something (Inductor) has usually imported it already.
+
+The same kernel with the point's add folded in (``fused.steer_and_clamp``, one launch
+where the add and the clamps were two) equals the add kernel followed by the clamp
+kernel bit for bit, and the torch bodies in that order to float32 rounding."""
 
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ import pytest
 import torch
 
 from steergate.engine.worker import clamp as clamp_op
-from steergate.engine.worker import fused
+from steergate.engine.worker import fused, op
 
 ROOT = Path(__file__).resolve().parents[2]
 CASES = [
@@ -52,6 +56,13 @@ def case(dtype: str, width: int, with_residual: bool):
     return table, hidden, residual, torch.tensor(INDEX)
 
 
+def add_table(dtype: str, width: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 + width)
+    table = torch.randn(NUM_SLOTS, width, generator=gen).to(getattr(torch, dtype))
+    table[0] = 0  # row 0 is always zero in the real tables
+    return table
+
+
 def ablation_case():
     gen = torch.Generator().manual_seed(7)
     width = 300
@@ -66,14 +77,23 @@ def ablation_case():
 _CHILD = """
 import sys, torch
 from steergate.engine.worker import fused
-from tests.engine.test_fused_clamp_kernel import CASES, ablation_case, case
+from tests.engine.test_fused_clamp_kernel import CASES, ablation_case, add_table, case
 kernel = fused.build_clamp_kernel()
+add_kernel = fused.build_kernel()
 out = {}
 for key in CASES:
     table, hidden, residual, index = case(*key)
+    add = add_table(key[0], key[1])
+    merged, sequence = hidden.clone(), hidden.clone()
     assert fused.clamp_supports(hidden, residual, table.dirs, table.bounds, index)
+    assert fused.point_supports(hidden, residual, add, table.dirs, table.bounds, index)
     fused.clamp(hidden, residual, table.dirs, table.bounds, index, kernel=kernel)
     out[key] = hidden
+    fused.steer_and_clamp(merged, residual, add, table.dirs, table.bounds, index, kernel=kernel)
+    fused.gather_add(sequence, add, index, kernel=add_kernel)
+    fused.clamp(sequence, residual, table.dirs, table.bounds, index, kernel=kernel)
+    out[("merged",) + key] = merged
+    out[("sequence",) + key] = sequence
 table, hidden, residual, index = ablation_case()
 fused.clamp(hidden, residual, table.dirs, table.bounds, index, kernel=kernel)
 out["ablation"] = hidden
@@ -113,6 +133,24 @@ def test_clamp_kernel_equals_the_torch_body(kernel_out, key) -> None:
     assert not torch.equal(got[1], hidden[1])  # the clamps changed a steered row
     tol = 1e-5 if key[0] == "float32" else 2e-3
     torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize(
+    "key", CASES, ids=[f"{d}-{w}-{'res' if r else 'nores'}" for d, w, r in CASES]
+)
+def test_add_and_clamps_in_one_launch_equal_the_two_launches_bit_for_bit(kernel_out, key):
+    table, hidden, residual, index = case(*key)
+    merged, sequence = kernel_out[("merged",) + key], kernel_out[("sequence",) + key]
+    assert torch.equal(merged.view(torch.uint8), sequence.view(torch.uint8))
+    assert torch.equal(merged[0], hidden[0]) and torch.equal(merged[3], hidden[3])  # slot 0
+    # and the torch bodies in the same order, to float32 rounding
+    add = add_table(*key[:2])
+    expected = hidden.clone()
+    op.torch_steer(expected, add, index)
+    clamp_op.torch_clamp(expected, residual, table.dirs, table.bounds, index)
+    assert not torch.equal(merged[1], kernel_out[key][1])  # the add is in it
+    tol = 1e-5 if key[0] == "float32" else 2e-3
+    torch.testing.assert_close(merged.float(), expected.float(), rtol=tol, atol=tol)
 
 
 def test_ablation_by_the_kernel_leaves_the_component_zero(kernel_out) -> None:

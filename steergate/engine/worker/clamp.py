@@ -23,6 +23,10 @@ liveness set as the add, :func:`engine.worker.op.mark_live`). On CUDA the op is 
 Triton launch per point (:func:`engine.worker.fused.clamp`) whose programs for tokens
 at slot 0 return at once; the eager torch body is ~5K + 4 kernels at every point,
 which inside a CUDA graph cost about half the step (docs/benchmarks.md).
+
+A point with both an add table and clamp tables calls ``steergate::steer_and_clamp``:
+the add's body then the clamps', one op, and on CUDA one launch
+(:func:`engine.worker.fused.steer_and_clamp`) instead of two.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import torch
 from steergate.engine.worker import fused, op
 
 OP_NAME = "steergate::clamp"
+STEER_AND_CLAMP = "steergate::steer_and_clamp"
 Floats = tuple[float, float, float]  # lo, hi, strength
 
 
@@ -98,20 +103,71 @@ def _clamp_fake(
     return None
 
 
+@torch.library.custom_op(STEER_AND_CLAMP, mutates_args=("hidden",))
+def steer_and_clamp(
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    table: torch.Tensor,
+    dirs: torch.Tensor,
+    bounds: torch.Tensor,
+    index: torch.Tensor,
+) -> None:
+    """``steergate::steer`` then ``steergate::clamp`` at one point, as one op."""
+    if hidden.device.type == "cpu":
+        if table.data_ptr() in op._LIVE_TABLES:
+            op.torch_steer(hidden, table, index)
+        if dirs.data_ptr() in op._LIVE_TABLES:
+            torch_clamp(hidden, residual, dirs, bounds, index)
+        return
+    if (
+        hidden.is_cuda
+        and fused.available()
+        and fused.point_supports(hidden, residual, table, dirs, bounds, index)
+    ):
+        fused.steer_and_clamp(hidden, residual, table, dirs, bounds, index)
+        return
+    op.torch_steer(hidden, table, index)
+    torch_clamp(hidden, residual, dirs, bounds, index)
+
+
+@steer_and_clamp.register_fake
+def _steer_and_clamp_fake(
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    table: torch.Tensor,
+    dirs: torch.Tensor,
+    bounds: torch.Tensor,
+    index: torch.Tensor,
+) -> None:
+    return None
+
+
 def apply(
     hidden: torch.Tensor,
     residual: torch.Tensor | None,
     table: ClampTable | None,
     index: torch.Tensor,
+    add: torch.Tensor | None = None,
 ) -> None:
+    """One point of the stream: its add (``add``, when given) then its clamps
+    (``table``, when given), in place on ``hidden``; ``residual`` completes the stream
+    where it is carried in two tensors. One op, whichever of the two exist."""
     if table is None:
+        if add is not None:
+            op.apply(hidden, add, index)
         return
     # With STEERGATE_CUDA_COMPILED_STEER=inductor, a graph compiled on CUDA traces the
-    # body for Inductor to schedule with its neighbours, as the add's (op.traced_body).
+    # bodies for Inductor to schedule with their neighbours (op.traced_body).
     if op.traced_body(hidden):
+        if add is not None:
+            op.torch_steer(hidden, add, index)
         torch_clamp(hidden, residual, table.dirs, table.bounds, index)
-    else:
+    elif add is None:
         torch.ops.steergate.clamp(hidden, residual, table.dirs, table.bounds, index)
+    else:
+        torch.ops.steergate.steer_and_clamp(
+            hidden, residual, add, table.dirs, table.bounds, index
+        )
 
 
 class ClampTable:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from steergate.engine.worker import capture, op
+from steergate.engine.worker import capture
 from steergate.engine.worker import clamp as clamp_op
 
 HOOKS: tuple[str, ...] = ("pre_attn", "post_attn", "post_block")
@@ -101,22 +101,30 @@ class Convention:
         raise NotImplementedError
 
 
-def _stream(t: Any, table: torch.Tensor, convention: str, where: str) -> torch.Tensor:
+def _stream(t: Any, width: int, convention: str, where: str) -> torch.Tensor:
     """``t`` as the ``[tokens, hidden]`` stream the op steers; anything else is a
     :class:`ConventionError` (raised at start-up: vLLM's dummy forward runs this)."""
-    if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[-1] != table.shape[-1]:
+    if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[-1] != width:
         shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
         raise ConventionError(
-            f"steergate: {where} is {shape}, not [tokens, {table.shape[-1]}]: the model's "
+            f"steergate: {where} is {shape}, not [tokens, {width}]: the model's "
             f"layers do not follow the {convention} convention"
         )
     return t
 
 
 def _steer(t: Any, table: torch.Tensor | None, index: torch.Tensor, convention: str,
-           where: str) -> None:
+           where: str, residual: torch.Tensor | None = None,
+           clamps: clamp_op.ClampTable | None = None) -> None:
+    """One point of the stream: its add (``table``) then its clamps, one op
+    (:func:`engine.worker.clamp.apply`); ``residual`` completes the stream where the
+    convention carries it in two tensors."""
     if table is not None:
-        op.apply(_stream(t, table, convention, where), table, index)
+        clamp_op.apply(_stream(t, table.shape[-1], convention, where), residual, clamps,
+                       index, add=table)
+    elif clamps is not None:
+        clamp_op.apply(_stream(t, clamps.dirs.shape[-1], convention, where), residual,
+                       clamps, index)
 
 
 def _output_steered(forward: Callable[..., Any], table: torch.Tensor, index: torch.Tensor,
@@ -131,15 +139,17 @@ def _output_steered(forward: Callable[..., Any], table: torch.Tensor, index: tor
     return steered
 
 
-def _pair_clamped(forward: Callable[..., Any], clamps: clamp_op.ClampTable,
-                  index: torch.Tensor) -> Callable[..., Any]:
-    """Clamps on a fused add-norm's ``(x, residual)`` before it sums them: the stream
-    there is ``x + residual``, and ``x`` already holds the point's add."""
-    def clamped(x: torch.Tensor, residual: torch.Tensor | None = None, *args: Any,
+def _pair_steered(forward: Callable[..., Any], table: torch.Tensor,
+                  clamps: clamp_op.ClampTable, index: torch.Tensor, convention: str,
+                  where: str) -> Callable[..., Any]:
+    """The point's add and clamps on a fused add-norm's ``(x, residual)`` before it
+    sums them: ``x`` is attention's contribution (the add goes there, as on the
+    submodule's output it arrives from unchanged) and the stream is ``x + residual``."""
+    def steered(x: torch.Tensor, residual: torch.Tensor | None = None, *args: Any,
                 **kwargs: Any) -> Any:
-        clamp_op.apply(x, residual, clamps, index)
+        _steer(x, table, index, convention, where, residual, clamps)
         return forward(x, residual, *args, **kwargs)
-    return clamped
+    return steered
 
 
 def _input_steered(forward: Callable[..., Any], table: torch.Tensor | None,
@@ -148,8 +158,7 @@ def _input_steered(forward: Callable[..., Any], table: torch.Tensor | None,
     """The op on ``forward``'s first argument, in place, before it runs; that argument
     is the stream at ``post_attn`` of ``layer``, which capture then reads."""
     def steered(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        _steer(hidden_states, table, index, convention, where)
-        clamp_op.apply(hidden_states, None, clamps, index)
+        _steer(hidden_states, table, index, convention, where, None, clamps)
         capture.read(hidden_states, None, "post_attn", layer)
         return forward(hidden_states, *args, **kwargs)
 
@@ -182,10 +191,10 @@ class FusedResidual(Convention):
 
         def steered_layer(positions: torch.Tensor, hidden_states: torch.Tensor, *args: Any,
                           **kwargs: Any) -> Any:
-            _steer(hidden_states, tables.pre_attn, index, name, "pre_attn's hidden_states")
             # The stream is hidden + residual (hidden alone in front of layer 0).
             residual = args[0] if args else kwargs.get("residual")
-            clamp_op.apply(hidden_states, residual, tables.pre_attn_clamp, index)
+            _steer(hidden_states, tables.pre_attn, index, name, "pre_attn's hidden_states",
+                   residual, tables.pre_attn_clamp)
             capture.read(hidden_states, residual, "pre_attn", layer_i)
             out = forward(positions, hidden_states, *args, **kwargs)
             if not (isinstance(out, tuple) and len(out) == 2):
@@ -195,25 +204,31 @@ class FusedResidual(Convention):
                 )
             # The residual returned is the stream after attention's (fused) residual add.
             capture.read(out[1], None, "post_attn", layer_i)
-            _steer(out[0], tables.post_block, index, name, "the layer's hidden_states")
-            clamp_op.apply(out[0], out[1], tables.post_block_clamp, index)
+            _steer(out[0], tables.post_block, index, name, "the layer's hidden_states",
+                   out[1], tables.post_block_clamp)
             capture.read(out[0], out[1], "post_block", layer_i)
             return out
 
         layer.forward = steered_layer
-        if tables.post_attn is not None:
+        if tables.post_attn is None:
+            return
+        if tables.post_attn_clamp is None:
             sub = getattr(layer, self.post_attn_module)
             sub.forward = _output_steered(sub.forward, tables.post_attn, index, name,
                                           f"{self.post_attn_module}'s output")
-        if tables.post_attn_clamp is not None:
-            norm = getattr(layer, self.post_attn_clamp_module, None)
-            if not isinstance(norm, nn.Module):
-                raise ConventionError(
-                    f"steergate: post_attn clamps need the layer's {self.post_attn_clamp_module}"
-                    f" (the {name} convention); STEERGATE_MAX_CLAMPS_PER_SITE=0 serves the "
-                    "model without clamps"
-                )
-            norm.forward = _pair_clamped(norm.forward, tables.post_attn_clamp, index)
+            return
+        # With clamps, the add and the clamps run together where the stream after
+        # attention is first whole: the fused add-norm that receives the submodule's
+        # output unchanged as its x. One op there, not one on the output and one here.
+        norm = getattr(layer, self.post_attn_clamp_module, None)
+        if not isinstance(norm, nn.Module):
+            raise ConventionError(
+                f"steergate: post_attn clamps need the layer's {self.post_attn_clamp_module}"
+                f" (the {name} convention); STEERGATE_MAX_CLAMPS_PER_SITE=0 serves the "
+                "model without clamps"
+            )
+        norm.forward = _pair_steered(norm.forward, tables.post_attn, tables.post_attn_clamp,
+                                     index, name, f"{self.post_attn_clamp_module}'s x")
 
 
 class SandwichNorm(FusedResidual):
@@ -254,12 +269,12 @@ class ScaledResidual(Convention):
 
         def steered_layer(positions: torch.Tensor, hidden_states: torch.Tensor, *args: Any,
                           **kwargs: Any) -> Any:
-            _steer(hidden_states, tables.pre_attn, index, name, "pre_attn's hidden_states")
-            clamp_op.apply(hidden_states, None, tables.pre_attn_clamp, index)
+            _steer(hidden_states, tables.pre_attn, index, name, "pre_attn's hidden_states",
+                   None, tables.pre_attn_clamp)
             capture.read(hidden_states, None, "pre_attn", layer_i)
             out = forward(positions, hidden_states, *args, **kwargs)
-            _steer(out, tables.post_block, index, name, "the layer's output")
-            clamp_op.apply(out, None, tables.post_block_clamp, index)
+            _steer(out, tables.post_block, index, name, "the layer's output", None,
+                   tables.post_block_clamp)
             capture.read(out, None, "post_block", layer_i)
             return out
 
@@ -291,13 +306,13 @@ class TransformersPostNorm(Convention):
 
         def steered_layer(*args: Any, **kwargs: Any) -> Any:
             hidden = args[0] if args else kwargs.get("hidden_states")
-            _steer(_batch_row(hidden), tables.pre_attn, index, name, "pre_attn's hidden_states")
-            clamp_op.apply(_batch_row(hidden), None, tables.pre_attn_clamp, index)
+            _steer(_batch_row(hidden), tables.pre_attn, index, name, "pre_attn's hidden_states",
+                   None, tables.pre_attn_clamp)
             capture.read(_batch_row(hidden), None, "pre_attn", layer_i)
             out = forward(*args, **kwargs)
             first = out[0] if isinstance(out, tuple) else out
-            _steer(_batch_row(first), tables.post_block, index, name, "the layer's output")
-            clamp_op.apply(_batch_row(first), None, tables.post_block_clamp, index)
+            _steer(_batch_row(first), tables.post_block, index, name, "the layer's output",
+                   None, tables.post_block_clamp)
             capture.read(_batch_row(first), None, "post_block", layer_i)
             return out
 
@@ -313,7 +328,8 @@ class TransformersPostNorm(Convention):
         def captured_mlp(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             # x is the stream after attention's add and also the tensor the layer keeps
             # as the MLP's residual: a clamp in place reaches both.
-            clamp_op.apply(_batch_row(x), None, tables.post_attn_clamp, index)
+            _steer(_batch_row(x), None, index, name, "the MLP's input", None,
+                   tables.post_attn_clamp)
             capture.read(_batch_row(x), None, "post_attn", layer_i)
             return mlp_forward(x, *args, **kwargs)
 

@@ -116,6 +116,12 @@ def gather_add(
 # clamps costs one launch per point, not the eager body's ~5K + 4 kernels. The dot
 # products are Triton's block reductions, so the result equals the torch body to
 # float32 rounding (not bit for bit: the summation order differs).
+#
+# A point that has both an add table and clamp tables (the default: 4 clamps per
+# point) runs both in this one launch (``HAS_ADD``): the row is added first and
+# rounded to ``hidden``'s dtype exactly as :func:`gather_add` does, then clamped, so
+# the result is bit for bit that of the two launches in sequence, at half the
+# launches. Inside a CUDA graph the launches are the cost (docs/benchmarks.md).
 
 CLAMP_MAX_WIDTH = 16384  # one program holds a whole row
 
@@ -129,14 +135,17 @@ def build_clamp_kernel() -> Any:
     def steer_clamp(
         hidden_ptr,
         residual_ptr,
+        table_ptr,
         dirs_ptr,
         bounds_ptr,
         index_ptr,
         hidden_stride,
         residual_stride,
+        table_stride,
         width,
         K: tl.constexpr,
         HAS_RESIDUAL: tl.constexpr,
+        HAS_ADD: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         token = tl.program_id(0)
@@ -147,6 +156,9 @@ def build_clamp_kernel() -> Any:
         mask = cols < width
         h_ptrs = hidden_ptr + token.to(tl.int64) * hidden_stride + cols
         h_raw = tl.load(h_ptrs, mask=mask, other=0.0)
+        if HAS_ADD:  # the point's add first, rounded once to hidden's dtype (gather_add)
+            row = tl.load(table_ptr + slot * table_stride + cols, mask=mask, other=0.0)
+            h_raw = (h_raw.to(tl.float32) + row.to(h_raw.dtype).to(tl.float32)).to(h_raw.dtype)
         stream = h_raw.to(tl.float32)
         if HAS_RESIDUAL:
             r_ptrs = residual_ptr + token.to(tl.int64) * residual_stride + cols
@@ -214,6 +226,48 @@ def clamp(
     kernel: Any = None,
 ) -> None:
     """``torch_clamp`` in one launch: K clamps per token at its slot, in place."""
+    _launch_clamp(hidden, residual, None, dirs, bounds, index, kernel)
+
+
+def steer_and_clamp(
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    table: torch.Tensor,
+    dirs: torch.Tensor,
+    bounds: torch.Tensor,
+    index: torch.Tensor,
+    kernel: Any = None,
+) -> None:
+    """:func:`gather_add` then :func:`clamp` at one point, in one launch, in place."""
+    if dirs.shape[1] == 0:
+        gather_add(hidden, table, index)  # no clamp entries (never built: cap 0 has no tables)
+        return
+    _launch_clamp(hidden, residual, table, dirs, bounds, index, kernel)
+
+
+def point_supports(
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    table: torch.Tensor,
+    dirs: torch.Tensor,
+    bounds: torch.Tensor,
+    index: torch.Tensor,
+) -> bool:
+    """Layouts :func:`steer_and_clamp` handles: those both kernels take."""
+    return supports(hidden, table, index) and clamp_supports(
+        hidden, residual, dirs, bounds, index
+    )
+
+
+def _launch_clamp(
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    table: torch.Tensor | None,
+    dirs: torch.Tensor,
+    bounds: torch.Tensor,
+    index: torch.Tensor,
+    kernel: Any,
+) -> None:
     n, width = hidden.shape
     if n == 0 or dirs.shape[1] == 0:
         return
@@ -221,14 +275,17 @@ def clamp(
     (kernel or _clamp_kernel())[(n,)](
         hidden,
         hidden if residual is None else residual,
+        hidden if table is None else table,
         dirs,
         bounds,
         index,
         hidden.stride(0),
         0 if residual is None else residual.stride(0),
+        0 if table is None else table.stride(0),
         width,
         K=dirs.shape[1],
         HAS_RESIDUAL=residual is not None,
+        HAS_ADD=table is not None,
         BLOCK=block,
         num_warps=8 if block >= 4096 else 4,
     )
