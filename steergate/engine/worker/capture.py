@@ -31,6 +31,7 @@ import torch
 
 from steergate.engine import capture_io
 from steergate.engine.capture_io import CapturePayload
+from steergate.engine.worker import library
 
 OP_NAME = "steergate::capture"
 HOOK_IDS = {"pre_attn": 0, "post_attn": 1, "post_block": 2}
@@ -162,7 +163,6 @@ def state() -> CaptureState | None:
     return _STATE
 
 
-@torch.library.custom_op(OP_NAME, mutates_args=("hidden",))
 def capture(hidden: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
     # ``hidden`` is declared mutated (it is not) so that the compiled graph keeps
     # this call, and keeps it before the in-place ops that follow on the stream.
@@ -172,9 +172,12 @@ def capture(hidden: torch.Tensor, residual: torch.Tensor | None, site: int) -> N
     st.read(site, hidden, residual)
 
 
-@capture.register_fake
 def _capture_fake(hidden: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
     return None
+
+
+library.define("capture", "(Tensor(a!) hidden, Tensor? residual, int site) -> ()", capture,
+               _capture_fake)
 
 
 def read(hidden: torch.Tensor, residual: torch.Tensor | None, hook: str, layer: int) -> None:

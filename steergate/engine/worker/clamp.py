@@ -36,14 +36,13 @@ import math
 import numpy as np
 import torch
 
-from steergate.engine.worker import fused, op
+from steergate.engine.worker import fused, library, op
 
 OP_NAME = "steergate::clamp"
 STEER_AND_CLAMP = "steergate::steer_and_clamp"
 Floats = tuple[float, float, float]  # lo, hi, strength
 
 
-@torch.library.custom_op(OP_NAME, mutates_args=("hidden",))
 def clamp(
     hidden: torch.Tensor,
     residual: torch.Tensor | None,
@@ -92,7 +91,6 @@ def torch_clamp(
     hidden.add_((h - stream).to(hidden.dtype))
 
 
-@clamp.register_fake
 def _clamp_fake(
     hidden: torch.Tensor,
     residual: torch.Tensor | None,
@@ -103,7 +101,6 @@ def _clamp_fake(
     return None
 
 
-@torch.library.custom_op(STEER_AND_CLAMP, mutates_args=("hidden",))
 def steer_and_clamp(
     hidden: torch.Tensor,
     residual: torch.Tensor | None,
@@ -130,7 +127,6 @@ def steer_and_clamp(
     torch_clamp(hidden, residual, dirs, bounds, index)
 
 
-@steer_and_clamp.register_fake
 def _steer_and_clamp_fake(
     hidden: torch.Tensor,
     residual: torch.Tensor | None,
@@ -140,6 +136,21 @@ def _steer_and_clamp_fake(
     index: torch.Tensor,
 ) -> None:
     return None
+
+
+library.define(
+    "clamp",
+    "(Tensor(a!) hidden, Tensor? residual, Tensor dirs, Tensor bounds, Tensor index) -> ()",
+    clamp,
+    _clamp_fake,
+)
+library.define(
+    "steer_and_clamp",
+    "(Tensor(a!) hidden, Tensor? residual, Tensor table, Tensor dirs, Tensor bounds, "
+    "Tensor index) -> ()",
+    steer_and_clamp,
+    _steer_and_clamp_fake,
+)
 
 
 def apply(

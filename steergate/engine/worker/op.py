@@ -1,4 +1,5 @@
 """The ``steergate::steer`` custom op: ``hidden += table[index[:n]]`` in place.
+(Registered with the dispatcher by :mod:`engine.worker.library`.)
 
 Why a custom op: torch.compile (Dynamo + Inductor) treats it as opaque, so the
 compiled graph calls it on every forward with the *current* contents of the
@@ -23,7 +24,7 @@ import weakref
 
 import torch
 
-from steergate.engine.worker import fused
+from steergate.engine.worker import fused, library
 
 OP_NAME = "steergate::steer"
 
@@ -43,7 +44,6 @@ def mark_live(table: torch.Tensor, live: bool) -> None:
         _LIVE_TABLES.pop(ptr, None)
 
 
-@torch.library.custom_op(OP_NAME, mutates_args=("hidden",))
 def steer(hidden: torch.Tensor, table: torch.Tensor, index: torch.Tensor) -> None:
     if hidden.device.type == "cpu":
         if table.data_ptr() not in _LIVE_TABLES:
@@ -60,9 +60,12 @@ def torch_steer(hidden: torch.Tensor, table: torch.Tensor, index: torch.Tensor) 
     hidden.add_(table.index_select(0, index[:n]).to(hidden.dtype))
 
 
-@steer.register_fake
 def _steer_fake(hidden: torch.Tensor, table: torch.Tensor, index: torch.Tensor) -> None:
     return None
+
+
+library.define("steer", "(Tensor(a!) hidden, Tensor table, Tensor index) -> ()", steer,
+               _steer_fake)
 
 
 #: What a graph compiled on CUDA gets at each site (``STEERGATE_CUDA_COMPILED_STEER``,
