@@ -26,6 +26,7 @@ import base64
 import math
 import re
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -342,6 +343,22 @@ def iteration_buckets(engine: Any) -> dict[str, float]:
     text = httpx.get(f"{engine.url}/metrics", headers=engine.headers, timeout=30).text
     return {m.group(1): float(m.group(2)) for m in re.finditer(
         r'^vllm:iteration_tokens_total_bucket\{[^}]*le="([^"]+)"[^}]*\} (\S+)$', text, re.M)}
+
+
+def iteration_buckets_after(engine: Any, before: Mapping[str, float], steps: int,
+                            timeout_s: float = 10.0) -> dict[str, float]:
+    """:func:`iteration_buckets` once the histogram counts at least ``steps`` more engine
+    steps than ``before`` (or ``timeout_s`` passed): vLLM hands the engine core's step
+    statistics to the API server's ``/metrics`` asynchronously, so a read made as the
+    answers arrive can miss the steps that produced them."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = iteration_buckets(engine)
+        if now.get("+Inf", 0.0) - before.get("+Inf", 0.0) >= steps:
+            return now
+        if time.monotonic() > deadline:
+            return now
+        time.sleep(0.2)
 
 
 def send_together(engine: Any, bodies: list[dict]) -> list[Generation]:

@@ -24,6 +24,7 @@ from tests.engine.hf_reference import (
     clamp_term,
     completion_body,
     iteration_buckets,
+    iteration_buckets_after,
     max_abs_diff,
     parse_completion,
     reference,
@@ -100,7 +101,7 @@ def test_mixed_batch_of_adds_clamps_ablations_and_unsteered_requests(
     for _attempt in range(3):
         before = iteration_buckets(f32_engine)
         batched = send_together(f32_engine, bodies)
-        after = iteration_buckets(f32_engine)
+        after = iteration_buckets_after(f32_engine, before, n)
         shared_steps = (after["8.0"] - after["1.0"]) - (before["8.0"] - before["1.0"])
         if shared_steps >= n // 2:
             break

@@ -1,6 +1,8 @@
 """Worker side of the steering engine.
 
+* :mod:`engine.worker.library`     registers the custom ops with the dispatcher (pure torch);
 * :mod:`engine.worker.op`          the ``steergate::steer`` custom op (pure torch);
+* :mod:`engine.worker.clamp`       the clamp and add-then-clamp ops and clamp tables (pure torch);
 * :mod:`engine.worker.tables`      per-site tables, slot allocation, index fill (pure torch);
 * :mod:`engine.worker.conventions` per-architecture layer conventions and the support table;
 * :mod:`engine.worker.layers`      wraps decoder layers to call the op (pure torch);

@@ -4,8 +4,8 @@
 Why a custom op: torch.compile (Dynamo + Inductor) treats it as opaque, so the
 compiled graph calls it on every forward with the *current* contents of the
 persistent table and index tensors, instead of constant-folding or specialising
-on them. ``mutates_args=("hidden",)`` tells the functionalisation pass the add is
-in place, so the compiled graph keeps the mutation and its ordering.
+on them. Its schema's ``Tensor(a!) hidden`` tells the functionalisation pass the add
+is in place, so the compiled graph keeps the mutation and its ordering.
 
 On CUDA the body is recorded into CUDA graphs, so it must not branch on Python
 state: it always runs (row 0 of every table is zero, so unsteered tokens add 0).
