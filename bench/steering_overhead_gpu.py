@@ -34,7 +34,13 @@ into the graph, ``STEERGATE_CUDA_COMPILED_STEER=inductor``), unsteered, steered,
 steered with K clamps at every ``post_block``; ``--compiled-layers`` (8) keeps compile
 time short (the op's cost and the step's both scale with the layer count). With clamp
 tables each point is one op, ``steergate::steer_and_clamp`` (one fused launch: the add,
-then the clamps), as in the engine.
+then the clamps), as in the engine. Each variant is compiled as vLLM compiles a model
+(``--compile-mode vllm``, the default): once, at the largest token count, with the token
+dimension dynamic and Dynamo's guards dropped, so every token count, 1 included, replays
+that one graph (``torch.compile(dynamic=True)`` alone specialises size 1, a graph vLLM
+never builds: ``--compile-mode per-size`` keeps that older method for comparison). The
+run prints how many kernels Inductor generated for each variant (stock == inductor: the
+traced body fused into its neighbours).
 
 Where vLLM's CUDA build is installed and ``--vllm-model`` names a model, it also times
 ``vllm.LLM.generate`` with the plugin off / on unsteered / on steered (skipped otherwise).
@@ -58,6 +64,7 @@ import subprocess
 import sys
 import time
 import traceback
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -387,6 +394,37 @@ def _capture(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
     return g
 
 
+def compile_like_vllm(model: nn.Module, example: torch.Tensor) -> Callable[..., Any]:
+    """``model`` compiled as vLLM compiles one (vllm/compilation/wrapper.py and
+    decorators.py): Inductor, fullgraph, the token dimension of ``example`` marked
+    dynamic, traced once on ``example`` (vLLM traces on its largest dummy batch), and
+    every guard dropped, so later calls of any token count, 1 included, run that graph
+    instead of a size-specialised one. Each call of this function gets its own code
+    object: Dynamo caches compiled frames on the code object, and without guards two
+    models sharing one forward would share one graph."""
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return model(x)
+
+    fresh = types.FunctionType(
+        step.__code__.replace(),
+        step.__globals__,
+        f"step_{id(model):x}",
+        None,
+        step.__closure__,
+    )
+    skip = getattr(torch.compiler, "skip_all_guards_unsafe", None) or (
+        lambda guards: [False for _ in guards]
+    )
+    compiled = torch.compile(
+        fresh, fullgraph=True, dynamic=False, options={"guard_filter_fn": skip}
+    )
+    x = example.clone()
+    torch._dynamo.mark_dynamic(x, 0)
+    compiled(x)
+    return compiled
+
+
 def _q(xs: list[float], p: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, max(0, round(p * (len(s) - 1))))]
@@ -615,10 +653,12 @@ def run_compiled(args: argparse.Namespace, emit: Callable[[str], None]) -> None:
     """The step compiled by torch.compile (Inductor), as vLLM compiles a model on CUDA,
     then captured in a CUDA graph per token count. Variants: ``stock`` (compiled without
     the plugin), ``kernel`` (the op as an opaque custom op: one fused launch per site)
-    and ``inductor`` (the op's torch body traced into the graph, ``op.apply``'s default
-    under compile on CUDA: Inductor fuses the gather-add into the neighbouring kernels).
-    Fewer layers than the eager run (``--compiled-layers``) keep compile time short: the
-    op's cost and the step's both scale with the layer count, so the ratio does not."""
+    and ``inductor`` (the op's torch body traced into the graph,
+    ``STEERGATE_CUDA_COMPILED_STEER=inductor``: Inductor schedules the gather-add with the
+    neighbouring kernels). Compiled as ``--compile-mode`` says (:func:`compile_like_vllm`
+    by default). Fewer layers than the eager run (``--compiled-layers``) keep compile
+    time short: the op's cost and the step's both scale with the layer count, so the
+    ratio does not."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -650,7 +690,29 @@ def run_compiled(args: argparse.Namespace, emit: Callable[[str], None]) -> None:
         wrap_layers(layers, present, tables)
     layers, present = find_decoder_layers(eager)
     wrap_layers(layers, present, tables)
-    compiled = {name: torch.compile(m, dynamic=True) for name, m in models.items()}
+    kernels: dict[str, int] = {}
+    if args.compile_mode == "vllm":
+        from torch._inductor import config as inductor_config
+        from torch._inductor import metrics
+
+        t_compile = time.perf_counter()
+        example = torch.empty(max_t, HIDDEN, dtype=DT, device=DEVICE).normal_()
+        tables.fill([], max_t)
+        compiled = {}
+        for name, m in models.items():
+            op.CUDA_COMPILED_BODY = "inductor" if name == "inductor" else "kernel"
+            metrics.reset()
+            with inductor_config.patch(fx_graph_cache=False):  # count what it generates
+                compiled[name] = compile_like_vllm(m, example)
+            kernels[name] = metrics.generated_kernel_count
+        op.CUDA_COMPILED_BODY = "inductor"
+        emit(
+            f"compiled as vLLM does: once per variant at {max_t} tokens, token dimension "
+            f"dynamic, guards dropped ({time.perf_counter() - t_compile:.1f} s); kernels "
+            "Inductor generated: " + ", ".join(f"{k} {v}" for k, v in kernels.items())
+        )
+    else:
+        compiled = {name: torch.compile(m, dynamic=True) for name, m in models.items()}
     rng = np.random.default_rng(0)
 
     def unit(v: np.ndarray) -> np.ndarray:
@@ -775,7 +837,8 @@ def run_compiled(args: argparse.Namespace, emit: Callable[[str], None]) -> None:
             f"inductor unsteered == stock bit for bit: {'yes' if same else 'NO'}; "
             f"steered by requests added after capture, max |d| / max|ref| vs the eager op: "
             f"inductor {d_ind:.2e}, kernel {d_ker:.2e} (stock, unsteered: {d_stock:.2e})"
-            f"{d_clamp}; graph breaks so far: {sum(counters['graph_break'].values())}"
+            f"{d_clamp}; graph breaks so far: {sum(counters['graph_break'].values())}, "
+            f"graphs compiled so far: {counters['stats']['unique_graphs']}"
         )
     if not rows:
         return
@@ -891,6 +954,13 @@ def main(argv: list[str] | None = None) -> int:
         help="only the compiled comparison (skips the eager-graph table)",
     )
     ap.add_argument("--compiled-layers", type=int, default=8)
+    ap.add_argument(
+        "--compile-mode",
+        choices=("vllm", "per-size"),
+        default="vllm",
+        help="vllm: one dynamic graph per variant, guards dropped (as vLLM runs it); "
+        "per-size: torch.compile(dynamic=True), which specialises 1 token",
+    )
     ap.add_argument(
         "--clamps",
         type=int,
