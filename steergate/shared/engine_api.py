@@ -69,7 +69,8 @@ DROP_STATES: frozenset[str] = frozenset({"refused_oversize", "dropped_stale"})
 #:   holds no latch, or another one, answers 409 ``latch_missing`` instead of generating
 #:   an unsteered turn.
 #: - ``restore``: a latch spec (``steergate/shared/latch_spec.py``) to install before the turn; the
-#:   turn is then bridged by it and reports ``restored``.
+#:   turn is then bridged by it and reports ``restored``. With ``latch`` given, the spec's
+#:   digest must be that digest (else a 400 naming ``steergate_expect.restore``).
 EXPECT_FIELD = "steergate_expect"
 #: The two 409 codes above: the gateway installs what is missing from Redis and retries.
 MISS_CODES = frozenset({"vector_missing", "latch_missing"})

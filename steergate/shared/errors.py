@@ -142,7 +142,8 @@ _CODES = (
        "without `allow_overcommit`"),
     _e("steering_state_changed", 409, _B, _GW,
        "the tenant's vectors or latch changed while the request ran (three cache fills did "
-       "not settle it); retrying is safe"),
+       "not settle it, or the latch Redis holds is no longer the one the request was "
+       "admitted with); retrying is safe"),
     _e("vector_missing", 409, _N, _INT,
        "the engine's cache lacks a named vector the gateway expects (the gateway installs it "
        "from Redis and sends the turn again)"),

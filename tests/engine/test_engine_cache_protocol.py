@@ -109,6 +109,24 @@ async def test_restore_against_changed_content_is_dropped_stale(env) -> None:  #
     assert "vllm_xargs" not in seen[-1] or "steergate" not in seen[-1]["vllm_xargs"]
 
 
+async def test_a_restore_that_is_not_the_expected_latch_is_refused(env) -> None:  # noqa: F811
+    """The spec sent to restore must be the latch ``latch`` names (its digest): an engine
+    that cached another would steer a conversation with a latch its record contradicts."""
+    client, seen, plugin = env
+    spec = LatchSpec("all", {("post_block", 1): np.full(HIDDEN, 0.5, np.float32)}).encode()
+    other = LatchSpec("all", {("post_block", 1): np.full(HIDDEN, 0.25, np.float32)})
+    for latch in (other.digest, ""):
+        r = await post(
+            client, conversation_id="t~c", **{EXPECT_FIELD: {"latch": latch, "restore": spec}}
+        )
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == f"{EXPECT_FIELD}.restore"
+    assert plugin.runtime.get().controller.get("t~c") is None and seen == []
+    expect = {"latch": decode_spec(spec).digest, "restore": spec}
+    r = await post(client, conversation_id="t~c", **{EXPECT_FIELD: expect})
+    assert r.status_code == 200 and r.headers["x-steering-latch"] == "restored"
+
+
 async def test_expected_vector_digest_mismatch_is_a_miss(env) -> None:  # noqa: F811
     client, seen, plugin = env
     await put_vector(client, "t~calm", 0.25)

@@ -189,6 +189,13 @@ def parse_expect(value: Any, shape: ModelShape) -> Expect | None:
                 raise InvalidField(
                     f"{param}.restore", f"'{param}.restore' does not fit the served model"
                 )
+        # The restore must be the latch the system of record names (its digest), or the
+        # engine would cache a latch that every later turn's expectation contradicts.
+        if latch is not None and restore.digest != latch:
+            raise InvalidField(
+                f"{param}.restore",
+                f"'{param}.restore' is not the latch '{param}.latch' names (digest differs)",
+            )
     return Expect(vectors=vectors, latch=latch, restore=restore)
 
 

@@ -132,11 +132,27 @@ class Turn:
         return True
 
     async def _load_spec(self) -> str | None:
+        """The conversation's latch spec from Redis (None: it holds none), once per turn.
+        A spec that is not the latch this turn was admitted with (its digest differs:
+        another turn replaced the latch in between, or the stored spec was altered) is
+        never installed: the engine would steer with a latch the conversation's record
+        does not name, and every later turn would miss and restore it again."""
         if self._spec_text is None and self.head.conversation_id:
             async with store_errors():
-                self._spec_text = await self.redis.hget(
+                text = await self.redis.hget(
                     keys.latch_specs(self.tenant_id), self.head.conversation_id
                 )
+            if text is not None and self.adm.latch_digest:
+                try:
+                    digest = decode_spec(text).digest
+                except SpecError:
+                    digest = None  # sent as is: the engine refuses it, naming the field
+                if digest is not None and digest != self.adm.latch_digest:
+                    raise APIError(
+                        "steering_state_changed",
+                        "The conversation's latch changed while this request ran; retry it.",
+                    )
+            self._spec_text = text
         return self._spec_text
 
     async def _restore_latch(self) -> None:

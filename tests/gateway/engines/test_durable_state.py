@@ -50,7 +50,6 @@ def inline(value: float, latch: bool = True) -> dict[str, Any]:
     return {"vectors": [{"hook": "post_attn", "layers": {"2": [value] * 8}}], "latch": latch}
 
 
-
 @pytest.fixture()
 def engines() -> Iterator[list[FakeEngine]]:
     """Stub engines a test starts with :func:`start_engines`; all stopped after it."""
@@ -133,6 +132,40 @@ def test_engine_cap_evictions_cost_a_restore_never_a_latch(
     r = chat(gw, ka, conversation_id="a0")  # nor the tenant's own earliest
     assert r.headers["x-steering-latch"] == "restored" and text(r) == a_answers[0]
     assert len(engine.state.latches) <= 4
+
+
+def test_a_stored_spec_that_is_not_the_conversations_latch_is_never_restored(
+    gateway: ServerThread, fake_engine: FakeEngine, redis_url: str
+) -> None:
+    """The spec a restore installs must be the latch the conversation's record names
+    (its digest). Here c1's spec is replaced by c2's behind the gateway's back (as a
+    concurrent turn replacing the latch between admission and the restore would): the
+    turn is a 409 ``steering_state_changed``, the engine never caches c2's latch as c1's,
+    and once the record and the spec agree again the restore steers as before."""
+    key = make_tenant(redis_url, "acme")
+    c1 = text(chat(gateway, key, conversation_id="c1", steering=inline(0.1)))
+    chat(gateway, key, conversation_id="c2", steering=inline(0.2))
+    client = redis_client(redis_url)
+    specs = keys.latch_specs("acme")
+    own = client.hget(specs, "c1")
+    client.hset(specs, "c1", client.hget(specs, "c2"))
+    fake_engine.state.restart()
+    r = httpx.post(
+        gateway.url + CHAT,
+        json={
+            "model": "stub",
+            "messages": [{"role": "user", "content": "hi"}],
+            "conversation_id": "c1",
+        },
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=30,
+    )
+    assert r.status_code == 409, r.text
+    assert r.json()["error"]["code"] == "steering_state_changed"
+    assert "acme~c1" not in fake_engine.state.latches
+    client.hset(specs, "c1", own)
+    r = chat(gateway, key, conversation_id="c1")
+    assert r.headers["x-steering-latch"] == "restored" and text(r) == c1
 
 
 def test_quota_eviction_is_the_only_way_a_latch_is_lost(
