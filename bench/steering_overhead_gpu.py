@@ -79,6 +79,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from steergate.engine.payload import Payload  # noqa: E402
+from steergate.engine.worker import capture as worker_capture  # noqa: E402
 from steergate.engine.worker import fused, op  # noqa: E402
 from steergate.engine.worker.layers import find_decoder_layers, wrap_layers  # noqa: E402
 from steergate.engine.worker.tables import HOOKS, SteeringTables, StepRequest  # noqa: E402
@@ -978,6 +979,9 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("steering_overhead_gpu: needs a CUDA device; nothing measured", file=sys.stderr)
         return 2
+    # The step replays CUDA graphs, so it is wrapped as such an engine's layers are:
+    # without capture calls (capture_io.refusal; capture is refused there).
+    worker_capture.call_op(False)
     lines: list[str] = []
 
     def emit(line: str) -> None:

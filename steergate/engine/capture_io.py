@@ -43,6 +43,20 @@ STALE_AFTER_S = 600.0
 Site = tuple[str, int]
 
 
+def refusal(vllm_config: Any) -> str | None:
+    """Why an engine of this configuration cannot capture (None: it can). Capture's op
+    body runs on the host every forward; a CUDA graph replays only what was recorded, so
+    an engine that replays graphs cannot. The API server answers capture there with a
+    501 ``not_implemented``; the workers then leave the op out of the model's graphs."""
+    model_config = getattr(vllm_config, "model_config", None)
+    device = str(getattr(getattr(vllm_config, "device_config", None), "device_type", "") or "")
+    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
+    graphs = mode is not None and getattr(mode, "name", "NONE") != "NONE"
+    if device != "cpu" and graphs and not getattr(model_config, "enforce_eager", False):
+        return "this engine replays CUDA graphs; serve it with --enforce-eager to capture"
+    return None
+
+
 def capture_dir() -> Path:
     """Shared by the API server and its workers (same host, same environment):
     ``STEERGATE_CAPTURE_DIR``, else ``/dev/shm/steergate-capture-<uid>`` (memory, not

@@ -5,6 +5,8 @@ the real op, the real files and the API server's collector."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -112,3 +114,44 @@ def test_payload_refuses_a_capture_id_that_is_not_32_hex() -> None:
     with pytest.raises(ValueError):
         capture_io.decode_payload(capture_io.encode_payload("../../etc", [SITE], "all", "none"))
     assert capture_io.collect("../x") == {}
+
+
+def _config(device: str, graphs: str, eager: bool = False) -> Any:
+    return SimpleNamespace(
+        model_config=SimpleNamespace(enforce_eager=eager, max_model_len=64),
+        device_config=SimpleNamespace(device_type=device),
+        compilation_config=SimpleNamespace(cudagraph_mode=SimpleNamespace(name=graphs)),
+    )
+
+
+def test_only_an_engine_that_replays_cuda_graphs_cannot_capture() -> None:
+    assert "CUDA graphs" in (capture_io.refusal(_config("cuda", "FULL_AND_PIECEWISE")) or "")
+    assert capture_io.refusal(_config("cuda", "FULL_AND_PIECEWISE", eager=True)) is None
+    assert capture_io.refusal(_config("cuda", "NONE")) is None
+    assert capture_io.refusal(_config("cpu", "PIECEWISE")) is None
+
+
+def test_wrappers_leave_the_op_out_where_capture_is_refused() -> None:
+    """A capture call is a declared mutation of the stream, across which Inductor does
+    not fuse; an engine that cannot capture (CUDA graphs) keeps it out of its graphs.
+    The steering ops are called all the same."""
+    from steergate.engine.worker.layers import find_decoder_layers, wrap_layers
+
+    from .test_clamp_op import _op_calls, _tables
+    from .test_steering_op import H, _Model
+
+    model = _Model()
+    layers, present = find_decoder_layers(model)
+    t = _tables(layers=present)
+    wrap_layers(layers, present, t)
+    t.fill([], 1)
+    x = torch.randn(1, H)
+    try:
+        calls = _op_calls(model, x)
+        assert calls["steergate::capture"] == 3 * len(present)
+        capture.call_op(False)
+        off = _op_calls(model, x)
+        assert "steergate::capture" not in off
+        assert off["steergate::steer_and_clamp"] == calls["steergate::steer_and_clamp"] > 0
+    finally:
+        capture.call_op(True)

@@ -21,6 +21,7 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.middleware import Middleware
 
+from steergate.engine import capture_io
 from steergate.engine.http.auth import EngineTokenMiddleware
 from steergate.engine.http.capture import CaptureSupport
 from steergate.engine.http.rewrite import SteeringRewriteMiddleware
@@ -110,18 +111,11 @@ class SteeringEndpointPlugin:
 
 
 def capture_support(vllm_config: Any) -> CaptureSupport:
-    """Capture's op body runs on the host every forward; a CUDA graph replays only
-    what was recorded, so an engine that replays graphs cannot capture (decided here,
-    answered as a 400 ``not_implemented`` naming ``capture``)."""
-    model_config = vllm_config.model_config
-    max_len = int(getattr(model_config, "max_model_len", 0) or 2048)
-    device = str(getattr(getattr(vllm_config, "device_config", None), "device_type", "") or "")
-    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
-    graphs = mode is not None and getattr(mode, "name", "NONE") != "NONE"
-    if device != "cpu" and graphs and not getattr(model_config, "enforce_eager", False):
-        return CaptureSupport(max_len, "this engine replays CUDA graphs; serve it with "
-                              "--enforce-eager to capture")
-    return CaptureSupport(max_len)
+    """The API server's view of capture: the longest sequence, and why this engine
+    cannot capture, if so (:func:`engine.capture_io.refusal`, answered as a 501
+    ``not_implemented`` naming ``capture``)."""
+    max_len = int(getattr(vllm_config.model_config, "max_model_len", 0) or 2048)
+    return CaptureSupport(max_len, capture_io.refusal(vllm_config))
 
 
 def _served_architecture(model_config: Any, steering: bool) -> ServedArchitecture:

@@ -12,8 +12,9 @@ its body on every forward; the body consults a plan the host filled for this ste
 de-duplicated) and copies those rows out. A step without capture finds an empty plan
 and returns at once. The forward never branches on request contents: the plan is
 host state, like the steering index. Under CUDA graphs the body would run only when
-a graph is recorded, so the API server refuses capture on such an engine (400
-``not_implemented``; see docs/steering-op.md).
+a graph is recorded, so the API server refuses capture on such an engine (501
+``not_implemented``; see docs/steering-op.md) and the wrappers leave the op out of its
+graphs (:data:`_CALLED`).
 
 Only tensor-parallel rank 0 of each pipeline stage plans and writes (the stream is
 replicated across TP ranks after each all-reduce).
@@ -180,9 +181,23 @@ library.define("capture", "(Tensor(a!) hidden, Tensor? residual, int site) -> ()
                _capture_fake)
 
 
+#: Whether the layer wrappers call the op at all. False on an engine that cannot capture
+#: (:func:`engine.capture_io.refusal`: it replays CUDA graphs), so its compiled graphs
+#: hold no capture calls: each is a declared mutation of the stream, across which
+#: Inductor does not fuse (docs/steering-op.md). Set at start-up, before the model is
+#: traced; read when a graph is traced, never per request.
+_CALLED = True
+
+
+def call_op(on: bool) -> None:
+    global _CALLED
+    _CALLED = on
+
+
 def read(hidden: torch.Tensor, residual: torch.Tensor | None, hook: str, layer: int) -> None:
     """Called by the layer wrappers after each site's steering."""
-    torch.ops.steergate.capture(hidden, residual, site_id(hook, layer))
+    if _CALLED:
+        torch.ops.steergate.capture(hidden, residual, site_id(hook, layer))
 
 
 def new_state(layers: Any, hidden: int) -> CaptureState:

@@ -21,6 +21,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from steergate.engine import capture_io
 from steergate.engine.payload import XARGS_KEY, Payload, decode_payload
 from steergate.engine.worker import capture as worker_capture
 from steergate.engine.worker import contract, conventions
@@ -108,6 +109,8 @@ def attach(runner: Any, required: Sequence[str]) -> SteeringTables | None:
         device=runner.device,
         max_clamps=EngineSettings().max_clamps_per_site,
     )
+    # Before the first trace: an engine that cannot capture keeps the op out of its graphs.
+    worker_capture.call_op(capture_io.refusal(runner.vllm_config) is None)
     wrap_layers(layers, present, tables, support.convention)
     runner._steergate = tables
     worker_capture.install_state(worker_capture.new_state(present, tables.hidden_size))
