@@ -36,7 +36,7 @@ from steergate.gateway.store.connection import Redis, store_errors
 from steergate.gateway.store.scripts import KeepLatch, Scripts
 from steergate.shared.engine_api import EXPECT_FIELD, KEEP_STATES
 from steergate.shared.errors import APIError, InvalidField
-from steergate.shared.latch_spec import SpecError, decode_spec
+from steergate.shared.latch_spec import LatchSpec, SpecError, decode_spec
 from steergate.shared.scoping import scope, unscope
 
 log = logging.getLogger("steergate.gateway.proxy")
@@ -75,6 +75,8 @@ class Turn:
     #: The state the client is told when the gateway, not the engine, decided it.
     state_override: str | None = None
     _spec_text: str | None = field(default=None, repr=False)
+    # _spec_text decoded when the turn was admitted with a latch (None: undecodable).
+    _spec: LatchSpec | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.engine = self.engines.pick(self.prep.scoped_conversation_id)
@@ -144,10 +146,10 @@ class Turn:
                 )
             if text is not None and self.adm.latch_digest:
                 try:
-                    digest = decode_spec(text).digest
+                    self._spec = decode_spec(text)
                 except SpecError:
-                    digest = None  # sent as is: the engine refuses it, naming the field
-                if digest is not None and digest != self.adm.latch_digest:
+                    pass  # sent as is: the engine refuses it, naming the field
+                if self._spec is not None and self._spec.digest != self.adm.latch_digest:
                     raise APIError(
                         "steering_state_changed",
                         "The conversation's latch changed while this request ran; retry it.",
@@ -169,14 +171,14 @@ class Turn:
         if self.head.conversation_id and not self.head.steered and self.adm.latch_digest:
             spec = await self._load_spec()
             if spec is not None:
-                try:
-                    decoded = decode_spec(spec)
-                    # By-reference adds and clamps alike name vectors the engine needs.
-                    scoped_names = [r[0] for r in decoded.refs] + [
-                        c.ref[0] for c in decoded.clamps if c.ref is not None
-                    ]
-                except SpecError:
-                    scoped_names = []
+                decoded = self._spec  # decoded by _load_spec (None: undecodable)
+                # By-reference adds and clamps alike name vectors the engine needs.
+                scoped_names = (
+                    [r[0] for r in decoded.refs]
+                    + [c.ref[0] for c in decoded.clamps if c.ref is not None]
+                    if decoded is not None
+                    else []
+                )
                 for scoped in scoped_names:
                     local = unscope(self.tenant_id, scoped)
                     if local is not None:
