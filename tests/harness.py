@@ -312,6 +312,10 @@ class EngineProcess:
         return {"Authorization": f"Bearer {self.token}"}
 
     def start(self, timeout: float = 400.0) -> EngineProcess:
+        return self.launch().wait_ready(timeout)
+
+    def launch(self) -> EngineProcess:
+        """Start the process and return at once (:meth:`wait_ready` waits for it)."""
         env = {"STEERGATE_ENGINE_TOKEN": self.token, "VLLM_CPU_KVCACHE_SPACE": "1", **self.env}
         CACHE.mkdir(parents=True, exist_ok=True)
         self.log_path = CACHE / f"engine-{self.port}.log"
@@ -323,6 +327,12 @@ class EngineProcess:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+        return self
+
+    def wait_ready(self, timeout: float = 400.0) -> EngineProcess:
+        """Until the launched engine answers its info route; stopped and raised if it
+        exits or is not ready within ``timeout`` seconds."""
+        assert self.proc is not None, "launch() first"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -156,14 +156,100 @@ def _record(served: Served, convention: str, started_s: float) -> None:
     (RESULTS / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
+# -- the module's engines, started ahead ---------------------------------------------
+
+#: Engines launched ahead of the one under test. An engine's start is mostly waiting
+#: (three processes spawn and import; one compiles on the core it is bound to), and
+#: an architecture's checks take a fraction of it, so the next engines start while
+#: this one is checked. Consecutive engines are bound to different cores, so two
+#: compilations never share one.
+AHEAD = 2
+TP = "tp2"  # the MoE model under tensor parallelism 2
+REFUSED = "unsupported"  # the unsupported architecture, steering on: refuses to start
+OFF = "unsupported-off"  # the same with STEERGATE_STEERING=off
+
+
+def engine_for(key: str, n: int) -> EngineProcess:
+    """The (unstarted) engine for ``key``, the ``n``-th this module launches."""
+    f32 = ["--dtype", "float32"]
+    core = {"VLLM_CPU_OMP_THREADS_BIND": str(n % 2)}
+    if key == TP:
+        return EngineProcess(model_dir(TP_ARCHITECTURE),  # binding: see test_tensor_parallel.py
+                             env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+                             extra_args=[*f32, "--tensor-parallel-size", "2"])
+    if key == REFUSED:
+        return EngineProcess(model_dir(UNSUPPORTED), env=core, extra_args=f32)
+    if key == OFF:
+        return EngineProcess(model_dir(UNSUPPORTED), env={**core, "STEERGATE_STEERING": "off"},
+                             extra_args=f32)
+    return EngineProcess(model_dir(key), env=core, extra_args=f32)
+
+
+class Engines:
+    """The module's engines in the order its collected tests use them. ``take`` launches
+    the one asked for (unless launched already) and the ``AHEAD`` after it, then waits
+    for it; what a deselected or failed test never took is stopped at the end."""
+
+    def __init__(self, order: list[str]) -> None:
+        self.order = order
+        self.launched: dict[str, tuple[EngineProcess, float]] = {}
+        self.count = 0
+
+    def _launch(self, key: str) -> None:
+        if key not in self.launched:
+            engine = engine_for(key, self.count).launch()
+            self.count += 1
+            self.launched[key] = (engine, time.monotonic())
+
+    def take(self, key: str, wait: bool = True) -> tuple[EngineProcess, float]:
+        """The engine for ``key``, ready (unless not ``wait``), and seconds from its
+        launch until then; it is the caller's to stop."""
+        self._launch(key)
+        if key in self.order:
+            i = self.order.index(key)
+            for ahead in self.order[i + 1:i + 1 + AHEAD]:
+                self._launch(ahead)
+        engine, launched_at = self.launched.pop(key)
+        if wait:
+            engine.wait_ready(timeout=900)
+        return engine, time.monotonic() - launched_at
+
+    def stop(self) -> None:
+        for engine, _ in self.launched.values():
+            engine.stop()
+        self.launched.clear()
+
+
+def _engine_key(item: pytest.Item) -> str | None:
+    names = getattr(item, "fixturenames", ())
+    if "served" in names:
+        return item.callspec.params["served"]  # type: ignore[attr-defined]
+    if "tp_served" in names:
+        return TP
+    return {"test_unsupported_architecture_refuses_to_start_naming_it_and_the_supported_list":
+            REFUSED, "test_unsupported_architecture_runs_unsteered_with_steering_off": OFF,
+            }.get(getattr(item, "originalname", ""))
+
+
+@pytest.fixture(scope="module")
+def engines(request: pytest.FixtureRequest) -> Iterator[Engines]:
+    order: list[str] = []
+    for item in request.session.items:
+        key = _engine_key(item) if item.module is request.module else None
+        if key is not None and key not in order:
+            order.append(key)
+    queue = Engines(order)
+    try:
+        yield queue
+    finally:
+        queue.stop()
+
+
 @pytest.fixture(scope="module", params=ARCHITECTURES)
-def served(request: pytest.FixtureRequest) -> Iterator[Served]:
+def served(request: pytest.FixtureRequest, engines: Engines) -> Iterator[Served]:
     architecture = request.param
-    model = model_dir(architecture)
-    t0 = time.monotonic()
-    engine = EngineProcess(model, extra_args=["--dtype", "float32"]).start(timeout=900)
-    state = Served(architecture, model, engine)
-    started_s = time.monotonic() - t0
+    engine, started_s = engines.take(architecture)
+    state = Served(architecture, model_dir(architecture), engine)
     try:
         yield state
     finally:
@@ -319,15 +405,9 @@ def test_capture_after_steering_at_the_shared_point_equals_reference(
 
 
 @pytest.fixture(scope="module")
-def tp_served() -> Iterator[Served]:
-    model = model_dir(TP_ARCHITECTURE)
-    t0 = time.monotonic()
-    engine = EngineProcess(
-        model, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},  # see test_tensor_parallel.py
-        extra_args=["--dtype", "float32", "--tensor-parallel-size", "2"],
-    ).start(timeout=900)
-    state = Served(TP_ARCHITECTURE, model, engine)
-    started_s = time.monotonic() - t0
+def tp_served(engines: Engines) -> Iterator[Served]:
+    engine, started_s = engines.take(TP)
+    state = Served(TP_ARCHITECTURE, model_dir(TP_ARCHITECTURE), engine)
     try:
         yield state
     finally:
@@ -353,10 +433,11 @@ def test_moe_on_tensor_parallel_2_matches_reference(tp_served: Served) -> None:
 
 
 def test_unsupported_architecture_refuses_to_start_naming_it_and_the_supported_list(
+    engines: Engines,
 ) -> None:
-    engine = EngineProcess(model_dir(UNSUPPORTED), extra_args=["--dtype", "float32"])
+    engine, _ = engines.take(REFUSED, wait=False)
     with pytest.raises(RuntimeError, match="engine exited early"):
-        engine.start(timeout=900)
+        engine.wait_ready(timeout=900)
     engine.stop()
     message = engine.log_tail(10**9)
     assert f"no verified steering convention for {UNSUPPORTED}" in message
@@ -364,10 +445,9 @@ def test_unsupported_architecture_refuses_to_start_naming_it_and_the_supported_l
     assert "STEERGATE_STEERING=off" in message
 
 
-def test_unsupported_architecture_runs_unsteered_with_steering_off() -> None:
+def test_unsupported_architecture_runs_unsteered_with_steering_off(engines: Engines) -> None:
     model = model_dir(UNSUPPORTED)
-    engine = EngineProcess(model, env={"STEERGATE_STEERING": "off"},
-                           extra_args=["--dtype", "float32"]).start(timeout=900)
+    engine, _ = engines.take(OFF)
     try:
         info = httpx.get(f"{engine.url}/v1/steering/info", headers=engine.headers,
                          timeout=30).json()
