@@ -30,9 +30,10 @@ run: install
 # Then the gateway suite again, on a local 3-primary Redis Cluster (issue 14).
 CLUSTER_PASS := -m "not engine and not browser and not faults and not own_redis"
 
+# --durations: CI's log names the slowest tests, so its 90-minute budget stays visible.
 test: install
-	$(PY) -m pytest
-	STEERGATE_TEST_REDIS=cluster $(PY) -m pytest tests/gateway $(CLUSTER_PASS)
+	$(PY) -m pytest --durations=40
+	STEERGATE_TEST_REDIS=cluster $(PY) -m pytest tests/gateway $(CLUSTER_PASS) --durations=15
 
 test-fast: install
 	$(PY) -m pytest -m "not engine and not browser"
