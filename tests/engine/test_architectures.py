@@ -220,15 +220,15 @@ class Engines:
         self.launched.clear()
 
 
+#: The fixture that takes each engine key other than an architecture's (``served``).
+FIXTURE_KEYS = {"tp_served": TP, "refused_engine": REFUSED, "off_engine": OFF}
+
+
 def _engine_key(item: pytest.Item) -> str | None:
     names = getattr(item, "fixturenames", ())
     if "served" in names:
         return item.callspec.params["served"]  # type: ignore[attr-defined]
-    if "tp_served" in names:
-        return TP
-    return {"test_unsupported_architecture_refuses_to_start_naming_it_and_the_supported_list":
-            REFUSED, "test_unsupported_architecture_runs_unsteered_with_steering_off": OFF,
-            }.get(getattr(item, "originalname", ""))
+    return next((key for name, key in FIXTURE_KEYS.items() if name in names), None)
 
 
 @pytest.fixture(scope="module")
@@ -432,10 +432,25 @@ def test_moe_on_tensor_parallel_2_matches_reference(tp_served: Served) -> None:
 # -- an architecture without a verified convention -----------------------------------
 
 
+@pytest.fixture()
+def refused_engine(engines: Engines) -> EngineProcess:
+    """The unsupported architecture's engine, launched and not waited for."""
+    return engines.take(REFUSED, wait=False)[0]
+
+
+@pytest.fixture()
+def off_engine(engines: Engines) -> Iterator[EngineProcess]:
+    engine, _ = engines.take(OFF)
+    try:
+        yield engine
+    finally:
+        engine.stop()
+
+
 def test_unsupported_architecture_refuses_to_start_naming_it_and_the_supported_list(
-    engines: Engines,
+    refused_engine: EngineProcess,
 ) -> None:
-    engine, _ = engines.take(REFUSED, wait=False)
+    engine = refused_engine
     with pytest.raises(RuntimeError, match="engine exited early"):
         engine.wait_ready(timeout=900)
     engine.stop()
@@ -445,23 +460,21 @@ def test_unsupported_architecture_refuses_to_start_naming_it_and_the_supported_l
     assert "STEERGATE_STEERING=off" in message
 
 
-def test_unsupported_architecture_runs_unsteered_with_steering_off(engines: Engines) -> None:
-    model = model_dir(UNSUPPORTED)
-    engine, _ = engines.take(OFF)
-    try:
-        info = httpx.get(f"{engine.url}/v1/steering/info", headers=engine.headers,
-                         timeout=30).json()
-        assert info["architecture"] == UNSUPPORTED
-        assert info["steering"] == "off" and info["hooks"] == []
-        assert info["layer_convention"] is None
-        got, _ = engine_completion(engine, PROMPT, N)
-        assert_matches(got, reference(model, PROMPT, None, max_tokens=N))
-        body = completion_body(str(model), PROMPT, N,
-                               steering=steering_field({("pre_attn", 1): unit_vector(1)}))
-        r = httpx.post(f"{engine.url}/v1/completions", json=body, headers=engine.headers,
-                       timeout=60)
-        assert r.status_code == 501
-        assert r.json()["error"]["code"] == "not_implemented"
-        assert r.json()["error"]["param"] == "steering"
-    finally:
-        engine.stop()
+def test_unsupported_architecture_runs_unsteered_with_steering_off(
+    off_engine: EngineProcess,
+) -> None:
+    model, engine = model_dir(UNSUPPORTED), off_engine
+    info = httpx.get(f"{engine.url}/v1/steering/info", headers=engine.headers,
+                     timeout=30).json()
+    assert info["architecture"] == UNSUPPORTED
+    assert info["steering"] == "off" and info["hooks"] == []
+    assert info["layer_convention"] is None
+    got, _ = engine_completion(engine, PROMPT, N)
+    assert_matches(got, reference(model, PROMPT, None, max_tokens=N))
+    body = completion_body(str(model), PROMPT, N,
+                           steering=steering_field({("pre_attn", 1): unit_vector(1)}))
+    r = httpx.post(f"{engine.url}/v1/completions", json=body, headers=engine.headers,
+                   timeout=60)
+    assert r.status_code == 501
+    assert r.json()["error"]["code"] == "not_implemented"
+    assert r.json()["error"]["param"] == "steering"

@@ -13,6 +13,7 @@ import csv
 import io
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -145,7 +146,7 @@ def test_the_range_is_inclusive_and_at_most_400_days(acme: tuple[str, str]) -> N
     assert [row["date"] for row in r.json()["rows"]] == ["2026-03-01"]
 
 
-def on_one_day(call: Any) -> tuple[int, Any]:
+def on_one_day(call: Callable[[], Any]) -> tuple[int, Any]:
     """``call()`` and the UTC day it ran on; called again if it ran across midnight
     (the module's TODAY is read at import, and a CI run can cross midnight)."""
     while True:
