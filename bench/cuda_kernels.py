@@ -20,6 +20,7 @@ from the cubin with the ``cuobjdump`` Triton's wheel carries.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -27,7 +28,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -188,12 +189,39 @@ def resources(compiled: Any) -> Resources:
     return Resources(reg, stack, local, shared, len(cubin))
 
 
+def measure(
+    kernel: str, dtype: torch.dtype, width: int, arch: int, index_dtype: torch.dtype = torch.int64
+) -> dict[str, Any]:
+    """Compile one launch for ``sm_<arch>``; what the cubin uses and what it was built as."""
+    (launch,) = launches(kernel, width, dtype, index_dtype)
+    compiled = compile_launch(launch, arch)
+    ptx = compiled.asm["ptx"]
+    return {
+        "kernel": kernel,
+        "dtype": TRITON_TYPES[dtype],
+        "index": TRITON_TYPES[index_dtype],
+        "width": width,
+        "arch": arch,
+        "warps": launch.kwargs.get("num_warps", 4),  # what the launcher asked for
+        "compiled_warps": compiled.metadata.num_warps,
+        "entry": f".entry {launch.fn.__name__}(" in ptx,
+        "target": f".target sm_{arch}" in ptx,
+        **asdict(resources(compiled)),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", default=",".join(map(str, ARCHS)), help="sm numbers")
     parser.add_argument("--widths", default=",".join(map(str, WIDTHS)))
-    parser.add_argument("--kernels", default="add,add+clamp+residual,clamp+residual")
+    parser.add_argument(
+        "--kernels", default="add,add+clamp+residual,clamp+residual", help="or 'all'"
+    )
     parser.add_argument("--dtypes", default="bf16,fp32")
+    parser.add_argument(
+        "--index", default="i64", help="the index's dtype: i64 (the tables') or i32"
+    )
+    parser.add_argument("--json", action="store_true", help="one JSON object per launch")
     args = parser.parse_args(argv)
     import triton
 
@@ -201,27 +229,29 @@ def main(argv: list[str] | None = None) -> int:
     widths = [int(w) for w in args.widths.split(",")]
     by_name = {v: k for k, v in TRITON_TYPES.items()}
     dtypes = [by_name[d] for d in args.dtypes.split(",")]
-    print(f"triton {triton.__version__}, torch {torch.__version__}; no GPU used")
-    print("registers / stack bytes per thread (stack > 0: spills), per kernel launch shape\n")
-    header = "| kernel | dtype | width | warps | " + " | ".join(f"sm_{a}" for a in archs) + " |"
-    print(header)
-    print("|" + "---|" * (4 + len(archs)))
+    index_dtype = by_name[args.index]
+    kernels = KERNELS if args.kernels == "all" else tuple(args.kernels.split(","))
+    if not args.json:
+        print(f"triton {triton.__version__}, torch {torch.__version__}; no GPU used")
+        print("registers / stack bytes per thread (stack > 0: spills), per kernel launch shape\n")
+        print("| kernel | dtype | width | warps | " + " | ".join(f"sm_{a}" for a in archs) + " |")
+        print("|" + "---|" * (4 + len(archs)))
     t0 = time.perf_counter()
-    for kernel in args.kernels.split(","):
+    for kernel in kernels:
         for dtype in dtypes:
             for width in widths:
-                (launch,) = launches(kernel, width, dtype)
-                cells = []
-                for arch in archs:
-                    r = resources(compile_launch(launch, arch))
-                    cells.append(f"{r.registers} / {r.stack}")
-                warps = launch.kwargs.get("num_warps", 4)
+                found = [measure(kernel, dtype, width, arch, index_dtype) for arch in archs]
+                if args.json:
+                    for record in found:
+                        print(json.dumps(record), flush=True)
+                    continue
+                cells = " | ".join(f"{r['registers']} / {r['stack']}" for r in found)
                 print(
-                    f"| {kernel} | {TRITON_TYPES[dtype]} | {width} | {warps} | "
-                    + " | ".join(cells)
-                    + " |"
+                    f"| {kernel} | {TRITON_TYPES[dtype]} | {width} | {found[0]['warps']} | "
+                    f"{cells} |"
                 )
-    print(f"\ncompiled in {time.perf_counter() - t0:.1f} s")
+    if not args.json:
+        print(f"\ncompiled in {time.perf_counter() - t0:.1f} s")
     return 0
 
 
