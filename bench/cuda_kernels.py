@@ -13,7 +13,7 @@ Printed per kernel, dtype, row width and target: registers per thread, stack byt
 thread (register spills: 0 means the row fits in registers) and the cubin's size, read
 from the cubin with the ``cuobjdump`` Triton's wheel carries.
 
-    python bench/cuda_kernels.py                  # about 30 s on 2 CPU cores
+    python bench/cuda_kernels.py                  # about 20 s on 2 CPU cores
     python bench/cuda_kernels.py --arch 90 --widths 4096,8192
 """
 
@@ -45,7 +45,6 @@ TRITON_TYPES = {
 }
 ARCHS = (80, 89, 90, 100)  # Ampere, Ada, Hopper, Blackwell
 WIDTHS = (576, 2048, 4096, 5120, 8192, 16384)  # SmolLM2, ..., Llama-3-8B, 13B, 70B, 405B
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 CLAMPS = 4  # the engine's default clamp cap per point
 
 
@@ -125,7 +124,7 @@ def _specialise(value: Any) -> tuple[str, bool]:
     if isinstance(value, torch.Tensor):
         return "*" + TRITON_TYPES[value.dtype], value.data_ptr() % 16 == 0
     if isinstance(value, bool):
-        return "i1", False
+        return "u1", False  # never specialised
     if isinstance(value, int):
         kind = "i32" if -(2**31) <= value < 2**31 else "i64"
         return kind, value % 16 == 0
@@ -149,7 +148,7 @@ def compile_launch(launch: Launch, arch: int) -> Any:
     attrs: dict[tuple[int, ...], list[list[Any]]] = {}
     for i, (name, value) in enumerate(zip(runtime, launch.args, strict=True)):
         kind, divisible = _specialise(value)
-        if kind.startswith("i") and value == 1:  # the JIT specialises 1 as a constant
+        if kind in ("i32", "i64") and value == 1:  # the JIT specialises 1 as a constant
             signature[name], constexprs[name] = "constexpr", 1
             continue
         signature[name] = kind
