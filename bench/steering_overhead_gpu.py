@@ -48,6 +48,10 @@ Where vLLM's CUDA build is installed and ``--vllm-model`` names a model, it also
     python bench/steering_overhead_gpu.py                      # ~2 min on one H200
     python bench/steering_overhead_gpu.py --tokens 1,16 --repeats 9 --out table.txt
 
+``--rehearse`` runs all of it on CPU at toy sizes (figures meaningless): the check, in
+CI, that a run prepared for a lent GPU gets to its tables (``bench/gpu_session.sh
+--rehearse``, tests/engine/test_gpu_session_rehearsal.py).
+
 Needs only torch (+ Triton for the fused kernel) and numpy; imports steergate from the
 checkout or from ``PYTHONPATH``.
 """
@@ -88,7 +92,7 @@ from steergate.shared.clamp import Bounds, Resolved  # noqa: E402
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN = 4096, 32, 8, 128, 14336
 EPS = 1e-5
 DT = torch.bfloat16
-DEVICE = "cuda"  # a CPU smoke run of the model code sets "cpu"
+DEVICE = "cuda"  # --rehearse sets "cpu" (see _rehearse)
 # The fused kernel's launch shape for the "alt" variants: one program per token row.
 ALT_BLOCK, ALT_WARPS = 4096, 8
 
@@ -248,17 +252,30 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
+def _kernel_dtypes() -> tuple[torch.dtype, ...]:
+    """What the kernel checks cover: bfloat16 on CUDA only (Triton's interpreter, which
+    runs them in a rehearsal, gives NaNs in bfloat16)."""
+    if DEVICE == "cuda":
+        return (torch.float32, torch.float16, torch.bfloat16)
+    return (torch.float32, torch.float16)
+
+
+def _kernels_runnable() -> bool:
+    return DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def check_kernel() -> list[str]:
     """Fused kernel (and the op's CUDA dispatch) == torch body, bit for bit."""
     lines = []
     gen = torch.Generator(device=DEVICE).manual_seed(1)
-    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+    for dtype in _kernel_dtypes():
         for width in (4096, 577, 1000):
             slots, tokens = 257, 300
-            table = (torch.randn(slots, width, device="cuda", generator=gen)).to(dtype)
+            table = (torch.randn(slots, width, device=DEVICE, generator=gen)).to(dtype)
             table[0] = 0
-            hidden = (torch.randn(tokens, width, device="cuda", generator=gen) * 4).to(dtype)
-            index = torch.randint(0, slots, (tokens + 16,), device="cuda", generator=gen)
+            op.mark_live(table, True)  # as SteeringTables marks a written table (CPU reads it)
+            hidden = (torch.randn(tokens, width, device=DEVICE, generator=gen) * 4).to(dtype)
+            index = torch.randint(0, slots, (tokens + 16,), device=DEVICE, generator=gen)
             index[0], index[1], index[2] = 0, slots - 1, 0
             want = hidden.clone()
             op.torch_steer(want, table, index)
@@ -282,7 +299,8 @@ def check_clamp_kernel() -> list[str]:
 
     lines = []
     gen = torch.Generator(device=DEVICE).manual_seed(2)
-    for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 1.6e-2)):
+    tols = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+    for dtype, tol in ((d, tols[d]) for d in _kernel_dtypes()):
         for width in (4096, 577):
             table = clamp_op.ClampTable(9, 4, width, torch.device(DEVICE))
             d = torch.randn(8, 4, width, device=DEVICE, generator=gen)
@@ -341,11 +359,7 @@ def check_graph_reads_tables() -> list[str]:
         op.apply(y, table, t.index)
         out.copy_(y + 1)
 
-    body()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        body()
+    g = _capture(body)
     results = []
     rng = np.random.default_rng(0)
     for round_ in range(3):
@@ -356,17 +370,17 @@ def check_graph_reads_tables() -> list[str]:
         ids = list(vecs)
         t.fill([StepRequest(ids[0], 0, 3, 0, 3), StepRequest(ids[1], 4, 7, 0, 3)], tokens)
         g.replay()
-        torch.cuda.synchronize()
+        _sync()
         want = x * 2
         for lo, hi, rid in ((0, 3, ids[0]), (4, 7, ids[1])):
-            want[lo:hi] += torch.from_numpy(vecs[rid]).cuda()
+            want[lo:hi] += torch.from_numpy(vecs[rid]).to(DEVICE)
         want += 1
         results.append(torch.equal(out, want))
         for rid in ids:
             t.remove_request(rid)
     t.fill([], tokens)
     g.replay()
-    torch.cuda.synchronize()
+    _sync()
     results.append(torch.equal(out, x * 2 + 1))
     ok = all(results)
     return [
@@ -378,9 +392,28 @@ def check_graph_reads_tables() -> list[str]:
 # ---- timing -------------------------------------------------------------------
 
 
-def _capture(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
+class _HostGraph:
+    """``--rehearse``: a captured graph on CPU is the step itself, called on replay."""
+
+    def __init__(self, fn: Callable[[], None]):
+        self.replay = fn
+
+
+Graph = Any  # torch.cuda.CUDAGraph, or a _HostGraph in a rehearsal
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _capture(fn: Callable[[], None]) -> Graph:
     """Capture ``fn`` in its own graph (own memory pool: a pool shared across token
     counts tripped an allocator assert in torch 2.11 once earlier graphs were freed)."""
+    if DEVICE != "cuda":
+        for _ in range(2):
+            fn()
+        return _HostGraph(fn)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -393,6 +426,20 @@ def _capture(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
         fn()
     torch.cuda.synchronize()
     return g
+
+
+def _elapsed_ms(run: Callable[[], None]) -> float:
+    """Device time of ``run`` (CUDA events; wall time in a rehearsal)."""
+    if DEVICE != "cuda":
+        t0 = time.perf_counter()
+        run()
+        return (time.perf_counter() - t0) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
 def compile_like_vllm(model: nn.Module, example: torch.Tensor) -> Callable[..., Any]:
@@ -471,11 +518,11 @@ def bench_tokens(
     # step itself replays bit-identically); steered must differ.
     fill_none()
     graphs["stock"].replay()
-    torch.cuda.synchronize()
+    _sync()
     first = outs["stock"].clone()
     graphs["stock"].replay()
     graphs["op"].replay()
-    torch.cuda.synchronize()
+    _sync()
     diff = (outs["stock"].float() - outs["op"].float()).abs().max().item()
     unsteered_equal = (
         f"{'yes' if torch.equal(_bits(outs['stock']), _bits(outs['op'])) else 'NO'} "
@@ -484,10 +531,10 @@ def bench_tokens(
     )
     fill_steered()
     graphs["op"].replay()
-    torch.cuda.synchronize()
+    _sync()
     steered_differs = not torch.equal(_bits(outs["stock"]), _bits(outs["op"]))
 
-    variants: list[tuple[str, torch.cuda.CUDAGraph, Callable[[], None] | None]] = [
+    variants: list[tuple[str, Graph, Callable[[], None] | None]] = [
         ("stock", graphs["stock"], None),
         ("op unsteered", graphs["op"], fill_none),
         ("op steered", graphs["op"], fill_steered),
@@ -500,22 +547,7 @@ def bench_tokens(
     if "before" in graphs:
         variants.append(("before unsteered", graphs["before"], fill_none))
         variants.append(("before steered", graphs["before"], fill_steered))
-    times: dict[str, list[float]] = {name: [] for name, _, _ in variants}
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for rep in range(args.repeats):
-        k = rep % len(variants)
-        for name, g, fill in variants[k:] + variants[:k]:
-            if fill:
-                fill()
-            g.replay()  # absorbs an index change between variants
-            start.record()
-            for _ in range(args.replays):
-                if fill:
-                    fill()
-                g.replay()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end) / args.replays)
+    times = _time_graphs(variants, args.repeats, args.replays)
     return times, unsteered_equal, steered_differs
 
 
@@ -572,7 +604,7 @@ def run_synthetic(args: argparse.Namespace, emit: Callable[[str], None]) -> None
         )
         reqs.append(StepRequest(rid, i, i + 1, first_pos=args.ctx, num_prompt_tokens=16))
     tables.fill(reqs, max_t)  # takes the slots and writes the rows once
-    torch.cuda.synchronize()
+    _sync()
     op_sites = sum(1 for i in present if not tables.shares_table_with_previous_layer(i)) + 2 * len(
         present
     )
@@ -626,27 +658,26 @@ def _emit_tables(
 
 
 def _time_graphs(
-    variants: list[tuple[str, torch.cuda.CUDAGraph, Callable[[], None] | None]],
+    variants: list[tuple[str, Graph, Callable[[], None] | None]],
     repeats: int,
     replays: int,
 ) -> dict[str, list[float]]:
     """Per-variant step times (ms), variants interleaved with a rotating order."""
     times: dict[str, list[float]] = {name: [] for name, _, _ in variants}
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for rep in range(repeats):
         k = rep % len(variants)
         for name, g, fill in variants[k:] + variants[:k]:
             if fill:
                 fill()
             g.replay()  # absorbs an index change between variants
-            start.record()
-            for _ in range(replays):
-                if fill:
-                    fill()
-                g.replay()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end) / replays)
+
+            def run(g: Graph = g, fill: Callable[[], None] | None = fill) -> None:
+                for _ in range(replays):
+                    if fill:
+                        fill()
+                    g.replay()
+
+            times[name].append(_elapsed_ms(run) / replays)
     return times
 
 
@@ -750,7 +781,7 @@ def run_compiled(args: argparse.Namespace, emit: Callable[[str], None]) -> None:
     reqs = requests("a", 1.0, max_t)
     creqs = requests("c", 1.0, max_t, clamps=args.clamps > 0) if args.clamps else []
     tables.fill(reqs, max_t)
-    torch.cuda.synchronize()
+    _sync()
     emit(f"compiled: setup {time.perf_counter() - t0:.1f} s, {n_layers} layers")
     rows = []
     deadline = time.perf_counter() + args.compiled_budget_s
@@ -792,14 +823,14 @@ def run_compiled(args: argparse.Namespace, emit: Callable[[str], None]) -> None:
         fill_none()
         graphs["stock"].replay()
         graphs["inductor"].replay()
-        torch.cuda.synchronize()
+        _sync()
         same = torch.equal(_bits(outs["stock"]), _bits(outs["inductor"]))
         late = requests(f"late{n}-", 3.0, n)
         tables.fill(late, n)
         graphs["inductor"].replay()
         graphs["kernel"].replay()
         want = eager(x.clone())
-        torch.cuda.synchronize()
+        _sync()
         scale = want.float().abs().max().item()
         d_ind = (outs["inductor"].float() - want.float()).abs().max().item() / scale
         d_ker = (outs["kernel"].float() - want.float()).abs().max().item() / scale
@@ -813,7 +844,7 @@ def run_compiled(args: argparse.Namespace, emit: Callable[[str], None]) -> None:
             ind = outs["inductor"].clone()
             graphs["kernel"].replay()
             want = eager(x.clone())
-            torch.cuda.synchronize()
+            _sync()
             scale = want.float().abs().max().item()
             d_i = (ind.float() - want.float()).abs().max().item() / scale
             d_k = (outs["kernel"].float() - want.float()).abs().max().item() / scale
@@ -929,6 +960,23 @@ def run_vllm(args: argparse.Namespace, emit: Callable[[str], None]) -> None:
         emit(f"| {b} | {s:.0f} | {u:.0f} | {st:.0f} | {u / s:.3f} | {st / s:.3f} |")
 
 
+def _rehearse(args: argparse.Namespace) -> None:
+    """``--rehearse``: the same run on CPU at toy sizes (hidden 64, at most 2 layers, a
+    16-token cache, 3 repeats x 2 replays), graphs replaced by calls and CUDA events
+    by wall time. It proves a prepared device run (``bench/gpu_session.sh --rehearse``)
+    gets from start to table before a lent GPU's minutes are spent on it; the figures
+    mean nothing. With ``TRITON_INTERPRET=1`` the kernel checks run in Triton's
+    interpreter (float32 and float16), else they are skipped."""
+    global DEVICE, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN
+    DEVICE = "cpu"
+    HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN = 64, 2, 1, 32, 128
+    args.layers = min(args.layers, 2)
+    args.compiled_layers = min(args.compiled_layers, 2)
+    args.ctx = min(args.ctx, 16)
+    args.repeats = min(args.repeats, 3)
+    args.replays = min(args.replays, 2)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="1,4,16,64,256")
@@ -975,8 +1023,16 @@ def main(argv: list[str] | None = None) -> int:
         help="start no new token count in the compiled run after this",
     )
     ap.add_argument("--out", help="also write the printed report here")
+    ap.add_argument(
+        "--rehearse",
+        action="store_true",
+        help="run every step on CPU at toy sizes (figures meaningless): proves the run "
+        "works before a device session spends its minutes on it",
+    )
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
+    if args.rehearse:
+        _rehearse(args)
+    elif not torch.cuda.is_available():
         print("steering_overhead_gpu: needs a CUDA device; nothing measured", file=sys.stderr)
         return 2
     # The step replays CUDA graphs, so it is wrapped as such an engine's layers are:
@@ -989,21 +1045,28 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(line)
 
     t0 = time.perf_counter()
+    device = (
+        torch.cuda.get_device_name()
+        if DEVICE == "cuda"
+        else "CPU REHEARSAL (--rehearse: toy sizes, the figures mean nothing)"
+    )
     emit(
-        f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}, "
-        f"CUDA {torch.version.cuda}, "
+        f"device: {device}; torch {torch.__version__}, CUDA {torch.version.cuda}, "
         f"Triton {'yes' if fused.available() else 'NO (torch body)'}"
     )
     emit("checks:")
-    try:
-        for line in check_kernel():
+    if _kernels_runnable():
+        try:
+            for line in check_kernel():
+                emit(line)
+        except Exception as exc:  # report it, then measure the torch body instead
+            emit(f"  fused kernel FAILED ({type(exc).__name__}: {exc}); timing the torch body")
+            traceback.print_exc()
+            fused.available = lambda: False  # type: ignore[assignment]
+        for line in check_clamp_kernel():
             emit(line)
-    except Exception as exc:  # report it, then measure the torch body instead
-        emit(f"  fused kernel FAILED ({type(exc).__name__}: {exc}); timing the torch body")
-        traceback.print_exc()
-        fused.available = lambda: False  # type: ignore[assignment]
-    for line in check_clamp_kernel():
-        emit(line)
+    else:
+        emit("  fused kernels: not run (no CUDA, and TRITON_INTERPRET is not 1)")
     for line in check_graph_reads_tables():
         emit(line)
     if not args.compiled_only:
