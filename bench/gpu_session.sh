@@ -12,7 +12,8 @@
 # 2. the default clamp cap (4 per point): one launch per point (steer_and_clamp);
 # 3. the older per-size compile at 1 token, to show what the size-1 graph cost.
 #
-# PYTHON names the interpreter (default python3: the device's image has no `python`).
+# PYTHON names the interpreter (default python3, the one the device's image documents;
+# it need not have `python`).
 # tests/engine/test_gpu_session_rehearsal.py rehearses this script in CI, with the
 # project's dependencies that the device lacks (pydantic, orjson, vLLM) hidden.
 set -uo pipefail

@@ -20,6 +20,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 # Distributions the lent GPU machine's image does not have (its package list, as the
 # device tool documents it, has torch, Triton, numpy and httpx), and steergate itself
@@ -39,10 +41,12 @@ def _norm(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def _device_like_python(tmp: Path) -> Path:
+@pytest.fixture(scope="module")
+def python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An interpreter that sees this venv's packages except ``NOT_ON_DEVICE``: a folder
     of links to every other distribution's top-level files, on ``PYTHONPATH``, with
-    ``-S`` (no site-packages, no .pth files)."""
+    ``-S`` (no site-packages, no .pth files). Built once for both tests."""
+    tmp = tmp_path_factory.mktemp("device-like")
     site = tmp / "site"
     site.mkdir()
     for dist in md.distributions():
@@ -91,9 +95,8 @@ def _assert_checks_passed(report: str) -> None:
 
 
 def test_gpu_session_script_runs_to_its_tables_without_the_projects_other_dependencies(
-    tmp_path: Path,
+    tmp_path: Path, python: Path
 ) -> None:
-    python = _device_like_python(tmp_path)
     # The interpreter really lacks them (else this rehearses nothing).
     probe = subprocess.run(
         [str(python), "-c", "import pydantic"], capture_output=True, text=True, check=False
@@ -124,9 +127,8 @@ def test_gpu_session_script_runs_to_its_tables_without_the_projects_other_depend
     assert "with clamps: inductor" in (out / "compiled-clamps4.txt").read_text()
 
 
-def test_eager_graph_comparison_rehearses_too(tmp_path: Path) -> None:
+def test_eager_graph_comparison_rehearses_too(tmp_path: Path, python: Path) -> None:
     """The default run (the eager step in a CUDA graph, every variant) the same way."""
-    python = _device_like_python(tmp_path)
     bench = str(ROOT / "bench" / "steering_overhead_gpu.py")
     proc = _run(
         [str(python), bench, "--rehearse", "--tokens", "1,4", "--out", str(tmp_path / "r.txt")],
