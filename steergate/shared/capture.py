@@ -20,14 +20,14 @@ and ``last`` reduce over those rows to one row (zero rows stay zero rows).
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from steergate.shared.codecs import CodecError, b64decode_strict
-from steergate.shared.errors import APIError, InvalidField
+from steergate.shared.errors import APIError, InvalidField, reject_unknown
 from steergate.shared.steering import HOOKS, ModelShape
 
 TOKENS: tuple[str, ...] = ("prompt", "generated", "all")
@@ -83,9 +83,9 @@ class CaptureSpec:
         tokens feed back ``max_tokens - 1`` of them."""
         return self.rows(prompt_tokens, max(0, max_tokens - 1))
 
-    def nbytes(self, hidden_size: int, rows_per_choice: Iterable[int]) -> int:
-        """Captured float32 bytes for choices with these per-site row counts."""
-        return FLOAT32_BYTES * hidden_size * len(self.sites) * sum(rows_per_choice)
+    def nbytes(self, hidden_size: int, rows: int) -> int:
+        """Captured float32 bytes for ``rows`` rows per site (all choices together)."""
+        return FLOAT32_BYTES * hidden_size * len(self.sites) * rows
 
 
 def parse_capture(
@@ -100,7 +100,7 @@ def parse_capture(
     limits = limits or CaptureLimits()
     if not isinstance(obj, dict):
         raise InvalidField(param, f"'{param}' must be an object")
-    _reject_unknown(obj, {"sites", "tokens", "reduce"}, param)
+    reject_unknown(obj, {"sites", "tokens", "reduce"}, param)
     tokens = obj.get("tokens", "prompt")
     if tokens not in TOKENS:
         raise InvalidField(
@@ -137,7 +137,7 @@ def _parse_site(
 ) -> list[Site]:
     if not isinstance(obj, dict):
         raise InvalidField(param, f"'{param}' must be an object")
-    _reject_unknown(obj, {"hook", "layers"}, param)
+    reject_unknown(obj, {"hook", "layers"}, param)
     hook = obj.get("hook")
     if hook not in HOOKS:
         raise InvalidField(
@@ -165,20 +165,21 @@ def _parse_site(
 def check_capture_bytes(
     spec: CaptureSpec,
     hidden_size: int,
-    rows_per_choice: Sequence[int],
+    rows: int,
     limits: CaptureLimits | None = None,
     param: str = "capture",
 ) -> int:
     """Raise ``capture_too_large`` when the capture can exceed the byte bound;
-    return its bound in bytes. ``rows_per_choice``: each choice's most rows per
-    site (``spec.max_rows``)."""
+    return its bound in bytes. ``rows``: the most rows per site, all choices together
+    (the sum of each choice's ``spec.max_rows``). Arithmetic only: a request's ``n``
+    is the client's number, so nothing here is sized by it."""
     limits = limits or CaptureLimits()
-    total = spec.nbytes(hidden_size, rows_per_choice)
+    total = spec.nbytes(hidden_size, rows)
     if total > limits.max_bytes:
         raise APIError(
             "capture_too_large",
             f"'{param}' can produce {total} bytes ({len(spec.sites)} sites x "
-            f"{sum(rows_per_choice)} rows x {hidden_size} float32); at most "
+            f"{rows} rows x {hidden_size} float32); at most "
             f"{limits.max_bytes} are allowed per request",
             param=param,
         )
@@ -256,12 +257,6 @@ def decode_capture(obj: Any) -> dict[tuple[int, str, int], np.ndarray]:
     return out
 
 
-def _reject_unknown(obj: Mapping[str, Any], allowed: set[str], param: str) -> None:
-    for key in obj:
-        if key not in allowed:
-            raise InvalidField(f"{param}.{key}", f"unknown field '{param}.{key}'")
-
-
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
@@ -291,9 +286,8 @@ def check_up_front(
     row per choice and site); for ``none`` the rows are bounded by the admission's
     token estimate (prompt estimate + completion budget x n), the engine then checks
     the exact bound once it knows the model's context length."""
-    choices = count_choices(body, completions)
     if spec.reduce == "none":
-        rows = [max(1, tokens_estimate)]
+        rows = max(1, tokens_estimate)
     else:
-        rows = [1] * choices
+        rows = count_choices(body, completions)
     return check_capture_bytes(spec, hidden_size, rows, limits)

@@ -43,7 +43,7 @@ def check_b64_length(data: str, nbytes: int) -> None:
 
 def decode_packed_bytes(raw: bytes, dtype: str, count: int) -> np.ndarray:
     """``count`` little-endian values of ``dtype`` as float32."""
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise CodecError(f"dtype must be one of {', '.join(DTYPES)}")
     if len(raw) != count * DTYPES[dtype]:
         raise CodecError(

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Container, Iterable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -297,6 +298,23 @@ class InvalidField(APIError):
 
     def __init__(self, param: str, message: str, code: str = "invalid_request") -> None:
         super().__init__(code, message, param=param)
+
+
+#: The most characters of a client's key that an error quotes (in ``param`` and the
+#: message): an unknown key is named, not echoed whole however long it is.
+MAX_QUOTED_KEY = 64
+
+
+def reject_unknown(obj: Iterable[Any], allowed: Container[str], parent: str | None = None) -> None:
+    """A 400 naming the first key of ``obj`` that is not in ``allowed`` (under
+    ``parent``, e.g. ``steering.vectors[0]``); every parser's unknown-field check."""
+    for key in obj:
+        if key not in allowed:
+            name = str(key)
+            if len(name) > MAX_QUOTED_KEY:
+                name = name[:MAX_QUOTED_KEY] + "..."
+            param = f"{parent}.{name}" if parent else name
+            raise InvalidField(param, f"unknown field '{param}'")
 
 
 def error_body(message: str, type_: str, param: str | None, code: str) -> dict[str, Any]:

@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from steergate.shared.errors import InvalidField
+from steergate.shared.errors import InvalidField, reject_unknown
 
 PHASES: tuple[str, ...] = ("all", "prefill", "decode")
 #: Past any context length: a larger N selects as much as "all".
@@ -87,9 +87,7 @@ def parse_tokens(obj: Any, param: str) -> str:
     """``steering.tokens`` -> its canonical phase string; 400s name the field."""
     if not isinstance(obj, dict):
         raise InvalidField(param, f"'{param}' must be an object of prompt, generated")
-    for key in obj:
-        if key not in ("prompt", "generated"):
-            raise InvalidField(f"{param}.{key}", f"unknown field '{param}.{key}'")
+    reject_unknown(obj, ("prompt", "generated"), param)
     prompt = obj.get("prompt", "all")
     generated = obj.get("generated", "all")
     last: int | None

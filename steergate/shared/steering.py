@@ -26,7 +26,7 @@ from steergate.shared.codecs import (
     check_b64_length,
     decode_packed_bytes,
 )
-from steergate.shared.errors import InvalidField
+from steergate.shared.errors import InvalidField, reject_unknown
 from steergate.shared.positions import parse_tokens
 
 HOOKS: tuple[str, ...] = ("pre_attn", "post_attn", "post_block")
@@ -103,7 +103,7 @@ def parse_steering(obj: Any, shape: ModelShape | None, param: str = "steering") 
     (lengths and layer ranges are then left to whoever knows the model)."""
     if not isinstance(obj, dict):
         raise InvalidField(param, f"'{param}' must be an object")
-    _reject_unknown(obj, {"vectors", "phase", "latch", "tokens", "compare"}, param)
+    reject_unknown(obj, {"vectors", "phase", "latch", "tokens", "compare"}, param)
     if not isinstance(obj.get("compare", False), bool):
         raise InvalidField(f"{param}.compare", f"'{param}.compare' must be a boolean")
     phase = obj.get("phase", "all")
@@ -142,12 +142,12 @@ def parse_term(obj: Any, shape: ModelShape | None, param: str, index: int = 0) -
         return _parse_clamp_term(obj, op, shape, param, index)
     scale = _parse_scale(obj.get("scale", 1.0), f"{param}.scale")
     if "name" in obj:
-        _reject_unknown(obj, {"name", "scale", "op"}, param)
+        reject_unknown(obj, {"name", "scale", "op"}, param)
         name = obj["name"]
         if not isinstance(name, str) or not name:
             raise InvalidField(f"{param}.name", f"'{param}.name' must be a non-empty string")
         return NamedTerm(name=name, scale=scale, index=index)
-    _reject_unknown(obj, {"hook", "layers", "packed", "scale", "op"}, param)
+    reject_unknown(obj, {"hook", "layers", "packed", "scale", "op"}, param)
     hook = parse_hook(obj.get("hook"), f"{param}.hook")
     layers = parse_layers_or_packed(obj, shape, param)
     _check_scaled(layers, scale, f"{param}.scale")
@@ -163,13 +163,13 @@ def _parse_clamp_term(
     """A clamp or ablate term (steergate/shared/clamp.py). No ``scale``: only the direction
     of the vector matters. Inline directions are normalised here."""
     if "name" in obj:
-        _reject_unknown(obj, {"name"} | _CLAMP_KEYS, param)
+        reject_unknown(obj, {"name"} | _CLAMP_KEYS, param)
         bounds = parse_bounds(obj, op, param)
         name = obj["name"]
         if not isinstance(name, str) or not name:
             raise InvalidField(f"{param}.name", f"'{param}.name' must be a non-empty string")
         return NamedTerm(name=name, index=index, clamp=bounds)
-    _reject_unknown(obj, {"hook", "layers", "packed"} | _CLAMP_KEYS, param)
+    reject_unknown(obj, {"hook", "layers", "packed"} | _CLAMP_KEYS, param)
     bounds = parse_bounds(obj, op, param)
     hook = parse_hook(obj.get("hook"), f"{param}.hook")
     layers = parse_layers_or_packed(obj, shape, param)
@@ -184,7 +184,7 @@ def parse_vector_body(
     """A named-vector registration body ``{hook, layers|packed, description?}``."""
     if not isinstance(obj, dict):
         raise InvalidField("body", "the request body must be a JSON object", "invalid_json")
-    _reject_unknown(obj, {"hook", "layers", "packed", "description"}, None)
+    reject_unknown(obj, {"hook", "layers", "packed", "description"}, None)
     hook = parse_hook(obj.get("hook"), "hook")
     description = obj.get("description")
     if description is not None and (not isinstance(description, str) or len(description) > 1024):
@@ -273,9 +273,9 @@ _NUMBER_TYPES: frozenset[type] = frozenset({int, float})
 def _parse_packed(obj: Any, shape: ModelShape | None, param: str) -> dict[int, np.ndarray]:
     if not isinstance(obj, dict):
         raise InvalidField(param, f"'{param}' must be an object")
-    _reject_unknown(obj, {"dtype", "shape", "layer_indices", "data"}, param)
+    reject_unknown(obj, {"dtype", "shape", "layer_indices", "data"}, param)
     dtype = obj.get("dtype", "float32")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise InvalidField(f"{param}.dtype", f"'{param}.dtype' must be one of {', '.join(DTYPES)}")
     dims = obj.get("shape")
     if (
@@ -384,13 +384,6 @@ def check_sites_finite(sites: Mapping[Site, np.ndarray], param: str = "steering.
 
 def _printable(text: str) -> bool:
     return len(text) <= 32 and text.isprintable()
-
-
-def _reject_unknown(obj: Mapping[str, Any], allowed: set[str], param: str | None) -> None:
-    for key in obj:
-        if key not in allowed:
-            p = f"{param}.{key}" if param else str(key)
-            raise InvalidField(p, f"unknown field '{p}'")
 
 
 def _short(value: Any) -> str:

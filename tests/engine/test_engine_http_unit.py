@@ -713,3 +713,15 @@ async def test_non_json_body_is_left_for_vllm_to_answer() -> None:
         r = await client.post("/v1/completions", content=b"{not json")
     assert seen == [b"{not json"]
     assert r.status_code == 400 and r.headers["x-steering-latch"] == "none"
+
+
+def test_the_engine_bounds_a_huge_n_the_same_way() -> None:
+    """As the gateway's check (tests/shared/test_capture_spec.py): no list of n rows."""
+    from steergate.engine.http.capture import CaptureSupport, take
+    from steergate.shared.errors import APIError
+
+    doc = {"n": 10**12, "max_tokens": 4, "prompt": [1, 2, 3],
+           "capture": {"sites": [{"hook": "pre_attn", "layers": [0]}]}}
+    with pytest.raises(APIError) as exc:
+        take(doc, "/v1/completions", ModelShape(HIDDEN, LAYERS), CaptureSupport(max_model_len=2048))
+    assert (exc.value.code, exc.value.param) == ("capture_too_large", "capture")

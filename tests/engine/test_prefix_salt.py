@@ -84,6 +84,20 @@ async def test_bridged_turns_share_the_salt_only_for_phase_all(env) -> None:
         assert first != bridged
 
 
+async def test_a_lone_surrogate_in_the_prompt_still_gets_a_salt(env) -> None:
+    """The engine parses with json.loads, which accepts "\\ud800"; UTF-8 cannot encode
+    it, and the prompt key's encode was a 500 (the audit's finding)."""
+    client, seen, _ = env
+    for surrogate in (b"\\ud800", b"\\udc00"):
+        raw = b'{"model": "m", "messages": [{"role": "user", "content": "a' + surrogate + \
+              b'"}], "steering": {"phase": "prefill", "vectors": [{"hook": "post_block", ' \
+              b'"layers": {"1": [0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]}}]}}'
+        r = await client.post("/v1/chat/completions", content=raw,
+                              headers={**AUTH, "content-type": "application/json"})
+        assert r.status_code == 200, r.text
+    assert seen[0]["cache_salt"] != seen[1]["cache_salt"]  # still a key of the prompt
+
+
 async def test_identical_prompts_keep_sharing_under_decode(env) -> None:
     client, seen, _ = env
     a = await _salt(client, seen, steering=steering("decode"), max_tokens=4)

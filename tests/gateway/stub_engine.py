@@ -8,7 +8,8 @@ The stub "model" answers ``echo`` when a turn is not steered and ``echo <digest>
 when it is (the first 12 hex digits of the steering payload's digest), so a gateway
 test can tell exactly *which* steering a turn got, e.g. that a restored latch steers
 like the original. Test knobs in the request body: ``fake_delay`` (seconds before
-answering), ``fake_chunks`` (a stream of that many one-token chunks), ``fake_break``
+answering; a request whose connection closes meanwhile is abandoned, as vLLM aborts
+it), ``fake_chunks`` (a stream of that many one-token chunks), ``fake_break``
 (the stream dies after its first chunk).
 """
 
@@ -69,6 +70,22 @@ def answer_for(body: dict[str, Any]) -> str:
     return f"echo {decode_payload(payload).digest[:12]}"
 
 
+async def _disconnects_within(request: Request, seconds: float) -> bool:
+    """Wait ``seconds``, the "model" working; True if the client (the gateway)
+    disconnected meanwhile. vLLM's routes do the same (``with_cancellation``: the
+    handler races the ASGI ``http.disconnect`` and the request is aborted)."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    try:
+        await asyncio.wait_for(disconnected(), seconds)
+    except asyncio.TimeoutError:
+        return False
+    return True
+
+
 class StubEngine:
     """One engine process, as far as the gateway can tell."""
 
@@ -92,6 +109,9 @@ class StubEngine:
         self.delay_s = 0.0
         #: The ``x-request-id`` of every request that reached the engine, in order.
         self.request_ids: list[str | None] = []
+        #: Bodies of the requests whose connection closed during their ``fake_delay``:
+        #: abandoned unanswered, as vLLM's ``with_cancellation`` aborts them.
+        self.abandoned: list[dict[str, Any]] = []
         self.started = False
         self.app = self._build()
 
@@ -134,8 +154,9 @@ class StubEngine:
             body = await request.json()
             stub.seen.append(body)
             delay = float(body.get("fake_delay", stub.delay_s))
-            if delay:
-                await asyncio.sleep(delay)
+            if delay and await _disconnects_within(request, delay):
+                stub.abandoned.append(body)
+                return None  # the connection is gone: nobody to answer
             chat = request.url.path.endswith("chat/completions")
             refused = stub_vllm.error_for(body)
             if refused is not None:

@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from typing import Any
 
 import httpx
+import orjson
+import pytest
 
 from steergate.gateway.app import create_app
 from tests.gateway.conftest import FakeEngine, gateway_settings, make_tenant
@@ -56,6 +59,41 @@ def test_client_disconnect_mid_stream_releases_the_lease(
         assert time.monotonic() < deadline, "lease not released after disconnect"
         time.sleep(0.02)
     assert post(gateway, key, chat_body()).status_code == 200
+
+
+@pytest.mark.parametrize("leave_after_s", [0.0, 0.5])
+def test_client_disconnect_before_a_unary_answer_cancels_the_engine_request(
+    gateway: ServerThread, redis_url: str, fake_engine: FakeEngine, leave_after_s: float
+) -> None:
+    """A client that gives up on a non-stream request (its timeout, a closed tab): the
+    gateway closes the engine connection at once, so the engine abandons the request
+    instead of generating an answer nobody reads, and the lease is released then, not
+    when the engine would have finished. The reservation is charged. Leaving at once is
+    seen too (the gateway starts watching 50 ms into a request)."""
+    key = make_tenant(redis_url, "acme", max_concurrency=1)
+    body = orjson.dumps(chat_body(fake_delay=30, max_tokens=7))
+    host, port = httpx.URL(gateway.url).host, httpx.URL(gateway.url).port
+    with socket.create_connection((host, port)) as sock:
+        sock.sendall(
+            f"POST {CHAT} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {key}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        deadline = time.monotonic() + 5
+        while not fake_engine.state.requests:  # at the engine: admitted, lease held
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        time.sleep(leave_after_s)
+    left = time.monotonic()
+    client = redis_client(redis_url)
+    while not fake_engine.state.abandoned or client.zcard("sg:{t:acme}:leases"):
+        assert time.monotonic() < left + 3, "engine request not cancelled / lease kept"
+        time.sleep(0.02)
+    assert [b["max_tokens"] for b in fake_engine.state.abandoned] == [7]
+    # Released by the settlement, which charged the reservation (prompt estimate + 7).
+    usage = httpx.get(gateway.url + "/v1/usage", headers={"Authorization": f"Bearer {key}"})
+    assert usage.json()["tokens_total"] >= 7
+    assert post(gateway, key, chat_body()).status_code == 200  # concurrency 1 is free again
 
 
 def test_logs_hold_no_keys_and_no_scoped_ids(

@@ -14,6 +14,7 @@ from steergate.shared.capture import (
     answer_bytes,
     capture_answer,
     check_capture_bytes,
+    check_up_front,
     decode_capture,
     encode_site,
     parse_capture,
@@ -120,7 +121,7 @@ def test_byte_bound_is_exact_and_refused_with_capture_too_large() -> None:
     spec = parse_capture(
         {"sites": [{"hook": "pre_attn", "layers": [0, 1]}], "reduce": "none"}, SHAPE
     )
-    rows = [spec.max_rows(5, 3), spec.max_rows(7, 3)]  # two prompts: 5 and 7 rows
+    rows = spec.max_rows(5, 3) + spec.max_rows(7, 3)  # two prompts: 5 and 7 rows
     exact = 4 * 8 * 2 * (5 + 7)
     limits = CaptureLimits(max_bytes=exact)
     assert check_capture_bytes(spec, 8, rows, limits) == exact
@@ -177,3 +178,20 @@ def test_answer_round_trips_through_decode() -> None:
 def test_decode_refuses_malformed_answers(bad: object) -> None:
     with pytest.raises(ValueError):
         decode_capture(bad)
+
+
+@pytest.mark.parametrize("n", [10**7, 10**12, 2**63, 10**30])
+@pytest.mark.parametrize("completions", [False, True])
+def test_a_huge_n_is_capture_too_large_without_sizing_anything_by_it(
+    n: int, completions: bool
+) -> None:
+    """``n`` is the client's number: the bound was a list of ``n`` rows (a MemoryError,
+    an OverflowError, or ~1 s of the gateway's event loop at 5e7, all before admission)."""
+    spec = parse_capture({"sites": [{"hook": "pre_attn", "layers": [0]}]}, SHAPE)
+    body = {"n": n, "prompt": ["a", "b"]} if completions else {"n": n}
+    with pytest.raises(APIError) as exc:
+        check_up_front(spec, body, completions, SHAPE.hidden_size, tokens_estimate=10)
+    assert _param(exc) == ("capture_too_large", "capture")
+    rows = 2 * n if completions else n
+    assert f"{rows} rows" in exc.value.message
+

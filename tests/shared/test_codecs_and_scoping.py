@@ -28,6 +28,15 @@ def test_gguf_rejects_garbage() -> None:
         decode_gguf_control_vector(b"not a gguf file at all")
 
 
+@pytest.mark.parametrize("dtype", ["int8", ["float32"], {"float32": 4}, None])
+def test_packed_bytes_refuse_a_dtype_that_is_not_a_known_name(dtype: object) -> None:
+    """An unhashable dtype raised TypeError from the dict lookup (a 500 upstream)."""
+    from steergate.shared.codecs import CodecError, decode_packed_bytes
+
+    with pytest.raises(CodecError, match="dtype must be one of"):
+        decode_packed_bytes(b"\0" * 8, dtype, 2)  # type: ignore[arg-type]
+
+
 def test_digest_changes_with_content_hook_and_layer() -> None:
     v = np.ones(4, np.float32)
     base = vector_digest("post_block", {1: v})

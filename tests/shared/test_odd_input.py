@@ -140,3 +140,24 @@ def test_brackets_inside_strings_do_not_count() -> None:
 def test_many_shallow_arrays_are_fine() -> None:
     doc = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}] * 5000}
     assert not json_too_deep(json.dumps(doc).encode())
+
+
+def test_an_unknown_key_is_named_not_echoed_whole() -> None:
+    """A megabyte key came back twice in the error (param and message), and bodies past
+    64 KiB skipped the error-shape rewrite: every parser quotes at most 64 characters."""
+    from steergate.shared.capture import parse_capture
+    from steergate.shared.errors import MAX_QUOTED_KEY, reject_unknown
+
+    key = "k" * 1_000_000
+    cases = [
+        lambda: parse_steering({"vectors": [{"hook": "post_block", key: 1}]}, SHAPE),
+        lambda: parse_steering({"vectors": [], "tokens": {key: 1}}, SHAPE),
+        lambda: parse_capture({"sites": [], key: 1}, SHAPE),
+        lambda: reject_unknown({key: 1}, ("name",)),
+    ]
+    for case in cases:
+        with pytest.raises(InvalidField) as info:
+            case()
+        param = info.value.param or ""
+        assert param.endswith("k" * MAX_QUOTED_KEY + "...") and len(param) < 100, param[:120]
+        assert len(info.value.message) < 200

@@ -137,6 +137,9 @@ def packed(**over: object) -> dict:
         (packed(shape=[3, 8]), "steering.vectors[0].packed.layer_indices"),
         (packed(shape=[2, 16]), "steering.vectors[0].packed.shape"),
         (packed(dtype="int8"), "steering.vectors[0].packed.dtype"),
+        # Unhashable: a dict lookup raised TypeError (a 500) before this was checked.
+        (packed(dtype=["float32"]), "steering.vectors[0].packed.dtype"),
+        (packed(dtype={"float32": 4}), "steering.vectors[0].packed.dtype"),
         (packed(layer_indices=[0, 9]), "steering.vectors[0].packed.layer_indices"),
         (packed(layer_indices=[1, 1]), "steering.vectors[0].packed.layer_indices"),
         (

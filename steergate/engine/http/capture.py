@@ -96,9 +96,8 @@ def take(
     n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
     prompt_rows = _prompt_rows(doc, path, support.max_model_len)
     max_new = _max_new(doc, path, support.max_model_len)
-    rows = [
-        min(support.max_model_len, spec.max_rows(p, max_new)) for p in prompt_rows for _ in range(n)
-    ]
+    # Per prompt, then times n: never a list as long as the client's n.
+    rows = n * sum(min(support.max_model_len, spec.max_rows(p, max_new)) for p in prompt_rows)
     check_capture_bytes(spec, shape.hidden_size, rows, limits)
     capture_io.sweep_stale()
     return CaptureCall(spec, capture_io.new_capture_id(), n, len(prompt_rows),

@@ -47,7 +47,9 @@ _FALSE_STRINGS = frozenset({"false", "0", "no", "off", "f", "n"})
 def prompt_key(request: Mapping[str, Any]) -> str:
     shaping = {k: v for k, v in request.items() if k not in NOT_PROMPT_FIELDS}
     text = json.dumps(shaping, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(text.encode()).hexdigest()
+    # surrogatepass: json.loads accepts a lone surrogate ("\ud800"), which UTF-8 cannot
+    # encode; the key must still be a key, not a 500.
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def refuse_inexact(request: Mapping[str, Any], phase: str) -> None:

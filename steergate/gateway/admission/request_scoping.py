@@ -29,6 +29,7 @@ from typing import Any
 from steergate.gateway.admission.limits import estimate_tokens
 from steergate.gateway.tenancy.records import Tenant
 from steergate.shared.capture import CaptureSpec, parse_capture
+from steergate.shared.engine_api import EXPECT_FIELD
 from steergate.shared.errors import InvalidField
 from steergate.shared.latch_spec import LatchSpec, clamp_items, sum_inline
 from steergate.shared.scoping import check_conversation_id, check_vector_name, scope
@@ -62,6 +63,10 @@ class InlineBudget:
     @classmethod
     def of(cls, settings: GatewaySettings) -> InlineBudget:
         return cls(settings.max_inline_floats_per_term, settings.max_inline_floats_per_request)
+
+
+#: Choices one request may ask for (``n``), OpenAI's own bound.
+MAX_N = 128
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,16 @@ class Prepared:
 
 
 def prescan(body: dict[str, Any], budget: InlineBudget = InlineBudget()) -> Head:
+    if EXPECT_FIELD in body:
+        # The gateway's word to the engine (which latch and vector digests Redis holds,
+        # which latch to restore): the engine trusts it, so a client must never set it.
+        raise InvalidField(
+            EXPECT_FIELD, f"'{EXPECT_FIELD}' is the gateway's field; clients cannot send it"
+        )
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N):
+        # vLLM takes any n and fans it out into n requests queued ahead of every tenant's.
+        raise InvalidField("n", f"'n' must be an integer in 1..{MAX_N}")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise InvalidField("stream", "'stream' must be a boolean")
@@ -206,10 +221,13 @@ def prepare_inference(
     shape: ModelShape | None,
     vector_digests: dict[str, str],
     parsed: SteeringRequest | None = None,
+    *,
+    salt_secret: str,
 ) -> Prepared:
     """Validate the steering values and rewrite ``body`` in place for the engine.
     ``parsed``: the body's steering, already validated against ``shape`` (large
-    bodies are, in a worker process: ``steergate/gateway/admission/bodies.py``)."""
+    bodies are, in a worker process: ``steergate/gateway/admission/bodies.py``);
+    ``salt_secret``: the tenant's prefix-cache secret (``TenantStore.salt_secret``)."""
     conv = head.conversation_id
     if conv is not None:
         body["conversation_id"] = scope(tenant.id, conv)
@@ -227,12 +245,18 @@ def prepare_inference(
         opts = body.get("stream_options")
         if opts is not None and not isinstance(opts, dict):
             raise InvalidField("stream_options", "'stream_options' must be an object")
-        include_usage = bool((opts or {}).get("include_usage"))
+        asked = (opts or {}).get("include_usage")
+        if asked is not None and not isinstance(asked, bool):
+            # Overwritten below: an invalid value would otherwise never reach vLLM's check.
+            raise InvalidField(
+                "stream_options.include_usage", "'stream_options.include_usage' must be a boolean"
+            )
+        include_usage = asked is True
         body["stream_options"] = {**(opts or {}), "include_usage": True}
     salt = body.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
         raise InvalidField("cache_salt", "'cache_salt' must be a string")
-    body["cache_salt"] = combined_salt(tenant, salt)
+    body["cache_salt"] = combined_salt(salt_secret, salt)
     return Prepared(
         scope(tenant.id, conv) if conv else None,
         steering,
@@ -258,9 +282,10 @@ def latch_spec(
     return LatchSpec(steering.phase, sites, refs, clamps)
 
 
-def combined_salt(tenant: Tenant, client_salt: str | None) -> str:
-    """The tenant's secret salt always participates; the client's only adds to it."""
-    h = hashlib.sha256(tenant.cache_salt.get_secret_value().encode())
+def combined_salt(salt_secret: str, client_salt: str | None) -> str:
+    """The tenant's secret (``TenantStore.salt_secret``) always participates; the
+    client's salt only adds to it."""
+    h = hashlib.sha256(salt_secret.encode())
     if client_salt:
         h.update(b"\0" + client_salt.encode())
     return h.hexdigest()

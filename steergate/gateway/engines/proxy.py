@@ -106,6 +106,8 @@ class Turn:
     def content(self) -> bytes:
         if self.expect:
             self.body[EXPECT_FIELD] = self.expect
+        else:  # only the gateway speaks for Redis (prescan refuses a client's)
+            self.body.pop(EXPECT_FIELD, None)
         return orjson.dumps(self.body)
 
     def failover(self) -> bool:

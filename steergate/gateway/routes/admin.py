@@ -41,7 +41,7 @@ from steergate.gateway.tenancy.records import (
 )
 from steergate.gateway.tenancy.tenants import TenantStore
 from steergate.shared import request_id
-from steergate.shared.errors import APIError, InvalidField
+from steergate.shared.errors import APIError, InvalidField, reject_unknown
 from steergate.shared.jsondepth import check_json_depth
 from steergate.shared.scoping import check_tenant_id
 
@@ -153,9 +153,7 @@ async def _audit(
 
 
 def _only(body: dict[str, Any], allowed: frozenset[str] | set[str]) -> None:
-    for field in body:
-        if field not in allowed:
-            raise InvalidField(str(field), f"unknown field '{field}'")
+    reject_unknown(body, allowed)
 
 
 def _changes(before: dict[str, Any], after: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -210,9 +208,7 @@ def _public(tenant: Tenant) -> dict[str, Any]:
 @router.post("/tenants", status_code=201, openapi_extra=_body_doc(TenantCreateBody))
 async def create_tenant(request: Request) -> JSONResponse:
     body = await _json_object(request)
-    for field in body:
-        if field not in CREATE_FIELDS:
-            raise InvalidField(str(field), f"unknown field '{field}'")
+    reject_unknown(body, CREATE_FIELDS)
     if "id" not in body:
         raise InvalidField("id", "'id' is required")
     check_tenant_id(body["id"])

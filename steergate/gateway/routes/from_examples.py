@@ -116,7 +116,7 @@ async def from_examples(
 async def _make(
     name: str, spec: ExamplesSpec, tenant: Tenant, svc: Services, shape: ModelShape, usage: Usage
 ) -> tuple[dict[str, Any], bool]:
-    salt = combined_salt(tenant, None)
+    salt = combined_salt(svc.tenants.salt_secret(tenant), None)
     acts = {}
     for side, examples in (("positive", spec.positive), ("negative", spec.negative)):
         prompts = await _prompts(svc, examples, side)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from fastapi import APIRouter, Request, Response
@@ -41,11 +41,14 @@ from steergate.gateway.engines.upstream import (
 from steergate.gateway.tenancy.auth import caller_key, get_tenant
 from steergate.gateway.tracing import span
 from steergate.shared import engine_api
+from steergate.shared.asgi import Receive
 from steergate.shared.capture import answer_bytes, check_up_front, parse_capture
 from steergate.shared.engine_api import LATCH_HEADER
 from steergate.shared.errors import APIError, InvalidField, render
 
 log = logging.getLogger("steergate.gateway.inference")
+
+T = TypeVar("T")
 
 
 class PlainRoute(APIRoute):
@@ -144,7 +147,7 @@ async def proxy_inference(request: Request, path: str) -> Response:
     async with admitted(svc.settler, admission) as call:
         adm = call.admission
         _check_names(head, adm)
-        prep = _prepare(body, head, tenant, shape, adm, parsed)
+        prep = _prepare(body, head, tenant, shape, adm, parsed, svc.tenants.salt_secret(tenant))
         if is_responses and not client_stream_options:
             # The Responses API has no stream_options: its final event carries usage.
             body.pop("stream_options", None)
@@ -156,7 +159,7 @@ async def proxy_inference(request: Request, path: str) -> Response:
         with span("proxy", tenant_id=tenant.id, stream=head.stream):
             if head.stream:
                 return await _stream(turn, call, on_capture)
-            return await _unary(turn, call, on_capture)
+            return await _unary(turn, call, on_capture, request.receive)
 
 
 def _capture_meter(request: Request, tenant_id: str, head: Head) -> Callable[[Any], None]:
@@ -188,12 +191,15 @@ def _prepare(
     shape: Any,
     adm: Admission,
     parsed: Parsed | None,
+    salt_secret: str,
 ) -> Prepared:
     """On the event loop: a small body's steering is bounded by the inline budget
     (a few ms to validate at most); a large one's was validated in a worker, against
     this shape unless the engines changed meanwhile (then it is validated again here)."""
     steering = parsed.steering if parsed is not None and parsed.shape == shape else None
-    return prepare_inference(body, head, tenant, shape, adm.vector_digests, steering)
+    return prepare_inference(
+        body, head, tenant, shape, adm.vector_digests, steering, salt_secret=salt_secret
+    )
 
 
 def _latch_state(adm: Admission, engine_state: str | None) -> str:
@@ -217,9 +223,73 @@ def _usage(doc: Any) -> tuple[int, int]:
     return -1, -1
 
 
-async def _unary(turn: Turn, call: Admitted, on_capture: Callable[[Any], None]) -> Response:
+#: The status logged (and counted in metrics) for a request whose client disconnected
+#: before its answer: nginx's "client closed request". Nobody receives it.
+CLIENT_CLOSED = 499
+#: How long a unary answer may take before the gateway starts watching for its client's
+#: disconnect (see ``_unless_client_leaves``).
+WATCH_AFTER_S = 0.05
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Returns once the client has disconnected (the body was read already, so the
+    server has nothing else to deliver)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_client_leaves(work: Awaitable[T], receive: Receive) -> T | None:
+    """``work``'s result, or None if the client disconnects first. Then ``work`` was
+    cancelled and has ended: the engine client closed the engine connection, and vLLM
+    aborts a request whose connection closed, so the engine stops generating an answer
+    nobody will read. ``work`` runs in this task; the watcher is a task of its own,
+    started once ``WATCH_AFTER_S`` has passed and cancelled as soon as the answer is in."""
+    current = asyncio.current_task()
+    assert current is not None
+    left = False
+
+    async def watch() -> None:
+        nonlocal left
+        await _disconnected(receive)
+        left = True
+        current.cancel()
+
+    watcher: asyncio.Task[None] | None = None
+
+    def arm() -> None:
+        nonlocal watcher
+        watcher = asyncio.ensure_future(watch())
+
+    # Armed once the answer takes a while: a client that left before is seen at once
+    # then (the server keeps reporting the disconnect). Answers within 50 ms (errors,
+    # one-token answers) pay a timer instead of a task; for a generation that runs for
+    # seconds the watcher's few microseconds are nothing.
+    timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, arm)
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if not left:
+            raise  # cancelled from outside (the server stopping): not ours to swallow
+        if hasattr(current, "uncancel"):  # Python 3.11+ counts cancellations
+            current.uncancel()
+        return None
+    finally:
+        timer.cancel()
+        if watcher is not None:
+            watcher.cancel()
+
+
+async def _unary(
+    turn: Turn, call: Admitted, on_capture: Callable[[Any], None], receive: Receive
+) -> Response:
     adm, prep = turn.adm, turn.prep
-    r = await turn.send()
+    r = await _unless_client_leaves(turn.send(), receive)
+    if r is None:
+        # Charged the reservation: what the engine did before it stopped is unknown (a
+        # stream's client that leaves before the first byte is charged the same way).
+        log.info("client disconnected before the answer; engine request cancelled")
+        call.settle(0, -1)
+        return Response(status_code=CLIENT_CLOSED)
     tenant_id = adm.tenant.id
     ok = 200 <= r.status < 300
     body = scrub(r.body, tenant_id, error=not ok)

@@ -30,18 +30,30 @@ BIG = 10**15  # keeps every limit an exact integer inside Lua's doubles
 
 
 class Limits(BaseModel):
-    """A tenant's limits. Zero latch/vector quotas disable latching / named vectors."""
+    """A tenant's limits. Zero latch/vector quotas disable latching / named vectors.
+    Integers are strict, as a key's are: ``true``, ``"600"`` and ``600.0`` are refused,
+    not read as 1 and 600."""
 
     model_config = ConfigDict(extra="forbid")
 
-    rpm: int = Field(default=600, ge=1, le=BIG, description="Requests per minute (GCRA).")
-    tpm: int = Field(default=200_000, ge=1, le=BIG, description="Tokens per minute (GCRA).")
-    max_concurrency: int = Field(default=16, ge=1, le=100_000, description="Requests in flight.")
-    latch_count: int = Field(default=64, ge=0, le=BIG, description="Latched conversations.")
-    latch_bytes: int = Field(default=16 * 2**20, ge=0, le=BIG, description="Bytes of latches.")
-    vector_count: int = Field(default=100, ge=0, le=BIG, description="Named vectors.")
+    rpm: int = Field(
+        default=600, ge=1, le=BIG, strict=True, description="Requests per minute (GCRA)."
+    )
+    tpm: int = Field(
+        default=200_000, ge=1, le=BIG, strict=True, description="Tokens per minute (GCRA)."
+    )
+    max_concurrency: int = Field(
+        default=16, ge=1, le=100_000, strict=True, description="Requests in flight."
+    )
+    latch_count: int = Field(
+        default=64, ge=0, le=BIG, strict=True, description="Latched conversations."
+    )
+    latch_bytes: int = Field(
+        default=16 * 2**20, ge=0, le=BIG, strict=True, description="Bytes of latches."
+    )
+    vector_count: int = Field(default=100, ge=0, le=BIG, strict=True, description="Named vectors.")
     vector_bytes: int = Field(
-        default=64 * 2**20, ge=0, le=BIG, description="Bytes of named vectors."
+        default=64 * 2**20, ge=0, le=BIG, strict=True, description="Bytes of named vectors."
     )
     latch_policy: Literal["evict_oldest", "reject"] = Field(
         default="evict_oldest", description="Over the latch quota: evict own LRU latches, or 429."
@@ -56,7 +68,7 @@ class Limits(BaseModel):
 class TokenBudget(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    tokens: int = Field(ge=1, le=BIG, description="Tokens per period.")
+    tokens: int = Field(ge=1, le=BIG, strict=True, description="Tokens per period.")
     period: Literal["day", "month"] = Field(description="UTC day or UTC calendar month.")
 
 
@@ -64,7 +76,9 @@ Limits.model_rebuild()
 
 
 class Tenant(BaseModel):
-    """A tenant. ``cache_salt`` is secret: excluded from every dump the API returns."""
+    """A tenant. ``cache_salt`` is a random value, excluded from every dump the API
+    returns; the prefix-cache salt the engines see is HMAC(pepper, it)
+    (``TenantStore.salt_secret``), so Redis alone does not give it."""
 
     id: str
     name: str = ""

@@ -8,10 +8,12 @@ admin keys, in Redis; resolving a presented key (through the auth cache,
 from __future__ import annotations
 
 import builtins
+import hmac
 import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
+from hashlib import sha256
 from typing import Any
 
 import orjson
@@ -43,7 +45,7 @@ from steergate.gateway.tenancy.records import (
     lookup_value,
     parse_lookup,
 )
-from steergate.shared.errors import APIError, InvalidField
+from steergate.shared.errors import APIError, InvalidField, reject_unknown
 from steergate.shared.scoping import check_tenant_id
 
 log = logging.getLogger("steergate.gateway.tenants")
@@ -76,6 +78,14 @@ class TenantStore:
         self.events = Invalidations(redis, self.cache)
         self.key_use = KeyUse(self.scripts)
         self.audit = AuditLog(redis)
+
+    def salt_secret(self, tenant: Tenant) -> str:
+        """The tenant's prefix-cache secret: HMAC-SHA256(pepper, its stored random
+        ``cache_salt``). Redis holds only the random value, so a dump of it without the
+        pepper does not give the salt the engines see (as for API keys)."""
+        nonce = tenant.cache_salt.get_secret_value()
+        mac = hmac.new(self._pepper.encode(), b"cache-salt\0" + nonce.encode(), sha256)
+        return mac.hexdigest()
 
     # -- tenants ---------------------------------------------------------------
 
@@ -123,10 +133,7 @@ class TenantStore:
     async def update(self, tenant_id: str, patch: dict[str, Any]) -> Tenant:
         """Apply a partial update: ``name``, ``allow_overcommit``, ``limits`` (partial)."""
         current = await self.require(tenant_id)
-        unknown = set(patch) - {"name", "limits", "allow_overcommit"}
-        if unknown:
-            field = sorted(unknown)[0]
-            raise APIError("invalid_request", f"unknown field '{field}'", param=field)
+        reject_unknown(patch, ("name", "limits", "allow_overcommit"))
         limits = current.limits.model_dump()
         if patch.get("limits") is not None:
             if not isinstance(patch["limits"], dict):

@@ -17,7 +17,7 @@ from typing import Any
 
 from steergate.gateway.admission.limits import CHARS_PER_TOKEN
 from steergate.gateway.vectors.contrast import METHODS, MIN_PER_SIDE
-from steergate.shared.errors import InvalidField
+from steergate.shared.errors import InvalidField, reject_unknown
 from steergate.shared.steering import HOOKS, ModelShape
 
 FIELDS = frozenset(
@@ -61,9 +61,7 @@ class ExamplesSpec:
 
 
 def parse_examples_body(body: dict[str, Any], shape: ModelShape) -> ExamplesSpec:
-    for key in body:
-        if key not in FIELDS:
-            raise InvalidField(str(key)[:64], f"unknown field '{str(key)[:64]}'")
+    reject_unknown(body, FIELDS)
     hook = body.get("hook", "post_block")
     if hook not in HOOKS:
         raise InvalidField("hook", f"'hook' must be one of {', '.join(HOOKS)}")
@@ -160,9 +158,7 @@ def _example(item: Any, p: str) -> Example:
         q = f"{p}[{j}]"
         if not isinstance(msg, dict):
             raise InvalidField(q, f"'{q}' must be an object with 'role' and 'content'")
-        for key in msg:
-            if key not in ("role", "content"):
-                raise InvalidField(f"{q}.{str(key)[:64]}", f"unknown field '{q}.{str(key)[:64]}'")
+        reject_unknown(msg, ("role", "content"), q)
         if msg.get("role") not in ROLES:
             raise InvalidField(f"{q}.role", f"'{q}.role' must be one of {', '.join(ROLES)}")
         if not isinstance(msg.get("content"), str):

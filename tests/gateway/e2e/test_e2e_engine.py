@@ -1,8 +1,10 @@
 """The gateway in front of the real vLLM CPU engine (tiny model): the official
-``openai`` client, stream and not, latch + bridge, and tenant isolation."""
+``openai`` client, stream and not, latch + bridge, tenant isolation, and a client that
+leaves before its answer."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -118,3 +120,56 @@ def test_latch_bridge_and_isolation_through_gateway(
         httpx.delete(real_gateway.url + "/v1/steering/latches/conv", headers=ha).status_code == 204
     )
     assert chat(ha, conversation_id="conv").headers["x-steering-latch"] == "none"
+
+
+def _engine_load(engine: EngineProcess) -> tuple[float, float]:
+    """(requests running + waiting, generation tokens so far) from vLLM's /metrics."""
+    text = httpx.get(engine.url + "/metrics", headers=engine.headers).text
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0]
+        if name in _LOAD_METRICS:
+            values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return (
+        values["vllm:num_requests_running"] + values["vllm:num_requests_waiting"],
+        values["vllm:generation_tokens_total"],
+    )
+
+
+_LOAD_METRICS = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:generation_tokens_total",
+)
+
+
+def test_client_leaving_a_unary_request_stops_the_engine_generating(
+    real_gateway: ServerThread, engine: EngineProcess, redis_url: str
+) -> None:
+    """A client that gives up on a non-stream request (an SDK timeout, which the openai
+    SDK then retries) must not leave the engine generating the answer: 64 choices of
+    1,900 tokens hold even the tiny model for many seconds (before the fix, 16 x 1,800
+    ran to the last token after the client left). vLLM aborts a request whose connection
+    closes; the gateway closes it when its client leaves."""
+    key = make_tenant(redis_url, "a")
+    assert _engine_load(engine)[0] == 0
+    tokens_before = _engine_load(engine)[1]
+    n, max_tokens = 64, 1900
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            real_gateway.url + "/v1/chat/completions",
+            headers={"Authorization": f"Bearer {key}"},
+            json={
+                "messages": [{"role": "user", "content": "Tell me a long story."}],
+                "n": n,
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+            },
+            timeout=1.5,
+        )
+    left = time.monotonic()
+    while (load := _engine_load(engine))[0]:
+        assert time.monotonic() < left + 4, f"the engine still runs {load[0]} requests"
+        time.sleep(0.1)
+    generated = load[1] - tokens_before
+    assert 0 < generated < n * max_tokens / 4, generated

@@ -84,6 +84,15 @@ def test_create_get_list_tenant_with_defaults_filled_and_no_secret_fields(ops: O
             "invalid_request",
         ),
         ({"id": "acme", "limits": {"rmp": 5}}, "limits.rmp", "invalid_request"),
+        # Strict integers: these were stored as rpm 1 and 600 (the audit's finding).
+        ({"id": "acme", "limits": {"rpm": True}}, "limits.rpm", "invalid_request"),
+        ({"id": "acme", "limits": {"rpm": "600"}}, "limits.rpm", "invalid_request"),
+        ({"id": "acme", "limits": {"tpm": 600.0}}, "limits.tpm", "invalid_request"),
+        (
+            {"id": "acme", "limits": {"token_budget": {"tokens": True, "period": "day"}}},
+            "limits.token_budget.tokens",
+            "invalid_request",
+        ),
         ({"id": "acme", "allow_overcommit": "yes"}, "allow_overcommit", "invalid_request"),
     ],
 )

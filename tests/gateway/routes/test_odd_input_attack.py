@@ -158,3 +158,71 @@ def test_json_at_the_depth_bound_still_works(
         value = {"k": value}
     r = httpx.post(gateway.url + CHAT, headers=h, json=chat(metadata_like=value))
     assert r.status_code == 200, r.text
+
+
+def test_a_client_cannot_send_the_gateways_word_to_the_engine(
+    gateway: ServerThread, redis_url: str, fake_engine: FakeEngine
+) -> None:
+    """``steergate_expect`` is what the gateway tells the engine Redis holds; the engine
+    trusts it. The audit's attack: forwarded as sent on an unsteered turn without named
+    vectors, its ``restore`` made the engine install a latch of the client's choosing
+    (outside the Redis ledger and quota; by reference, even another tenant's vector)."""
+    from steergate.shared.engine_api import EXPECT_FIELD
+    from steergate.shared.latch_spec import LatchSpec
+
+    victim = auth(make_tenant(redis_url, "beta"))
+    put = httpx.put(
+        gateway.url + "/v1/steering/vectors/secret",
+        headers=victim,
+        json={"hook": "post_block", "layers": {"1": [0.5] * HIDDEN}},
+    )
+    assert put.status_code == 201, put.text
+    digest = put.json()["digest"]
+    fake_engine.state.requests.clear()
+    planted = LatchSpec("all", refs=(("beta~secret", digest, 4.0),))
+    h = auth(make_tenant(redis_url, "acme"))
+    for expect in (
+        {"restore": planted.encode(), "latch": planted.digest},
+        {"latch": ""},
+        {"bogus": 1},
+        None,
+    ):
+        for extra in ({"conversation_id": "c1"}, {}, {"steering": inline()}):
+            body = chat(**extra, **{EXPECT_FIELD: expect})
+            r = httpx.post(gateway.url + CHAT, headers=h, json=body)
+            err = error(r)
+            assert err["param"] == EXPECT_FIELD and "gateway" in err["message"]
+    assert fake_engine.state.requests == []
+    assert "acme~c1" not in fake_engine.state.latches
+    # Without the field the same turns go through, and carry only the gateway's word.
+    r = httpx.post(gateway.url + CHAT, headers=h, json=chat(conversation_id="c1"))
+    assert r.status_code == 200, r.text
+    assert fake_engine.state.requests[-1].get(EXPECT_FIELD) == {"latch": ""}
+
+
+@pytest.mark.parametrize("asked", ["no", 0, 1, [], {}])
+def test_include_usage_must_be_a_boolean(
+    gateway: ServerThread, redis_url: str, fake_engine: FakeEngine, asked: Any
+) -> None:
+    """The gateway overwrites ``include_usage`` (it meters the usage chunk), so vLLM never
+    saw the client's value: ``"no"`` was read as yes, by Python truthiness."""
+    h = auth(make_tenant(redis_url, "acme"))
+    body = chat(stream=True, stream_options={"include_usage": asked})
+    err = error(httpx.post(gateway.url + CHAT, headers=h, json=body))
+    assert err["param"] == "stream_options.include_usage"
+    assert fake_engine.state.requests == []
+
+
+@pytest.mark.parametrize("n", [129, 5000, 10**12, 0, -1, True, 1.5, "2"])
+def test_n_is_bounded_before_admission(
+    gateway: ServerThread, redis_url: str, fake_engine: FakeEngine, n: Any
+) -> None:
+    """vLLM fans ``n`` out into n requests: one request with n = 5000 queued 5000 ahead
+    of every tenant's for minutes on the CPU engine (found by probing ``steergate up``).
+    128 is OpenAI's bound; nothing is admitted or sent."""
+    h = auth(make_tenant(redis_url, "acme", rpm=1))
+    err = error(httpx.post(gateway.url + CHAT, headers=h, json=chat(n=n)))
+    assert err["param"] == "n" and "1..128" in err["message"]
+    assert fake_engine.state.requests == []
+    r = httpx.post(gateway.url + CHAT, headers=h, json=chat(n=128))
+    assert r.status_code == 200, r.text  # the refusal spent no request of rpm 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import pytest
 
@@ -49,6 +50,47 @@ async def test_key_is_random_256_bit_and_only_its_hmac_is_stored(store: TenantSt
             "previous_expires_at": None,
         }
     ]
+
+
+async def _everything_in(redis: Any) -> bytes:
+    """Every key and value Redis holds, uncompressed (DUMP's payload is LZF-compressed)."""
+    out = []
+    for key in await redis.keys("*"):
+        kind = await redis.type(key)
+        kind = kind.decode() if isinstance(kind, bytes) else kind
+        if kind == "string":
+            out.append(await redis.get(key))
+        elif kind == "hash":
+            out += [b for kv in (await redis.hgetall(key)).items() for b in kv]
+        elif kind == "zset":
+            out += await redis.zrange(key, 0, -1)
+        elif kind == "set":
+            out += list(await redis.smembers(key))
+        elif kind == "list":
+            out += await redis.lrange(key, 0, -1)
+        elif kind == "stream":
+            out += [repr(e).encode() for e in await redis.xrange(key)]
+        out.append(key)
+    return b"\n".join(v if isinstance(v, bytes) else str(v).encode() for v in out)
+
+
+async def test_the_prefix_cache_salt_is_not_in_redis_and_needs_the_pepper(
+    store: TenantStore,
+) -> None:
+    """The salt every engine request of a tenant carries (its prefix-cache isolation) was
+    stored in the tenant record as it is. Now Redis holds a random value and the salt is
+    HMAC(pepper, it), as key hashes are: a Redis dump alone does not give it."""
+    from steergate.gateway.admission.request_scoping import combined_salt
+
+    t = await store.create("acme")
+    secret = store.salt_secret(t)
+    assert secret == store.salt_secret(await store.get("acme"))  # type: ignore[arg-type]
+    assert secret != TenantStore(store.redis, "another-pepper").salt_secret(t)
+    dump = await _everything_in(store.redis)
+    for value in (secret, combined_salt(secret, None)):
+        assert value.encode() not in dump
+    stored = t.cache_salt.get_secret_value()
+    assert stored.encode() in dump and combined_salt(stored, None) != combined_salt(secret, None)
 
 
 async def test_unknown_malformed_and_revoked_keys_resolve_to_none(store: TenantStore) -> None:
