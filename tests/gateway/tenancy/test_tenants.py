@@ -55,7 +55,8 @@ async def test_key_is_random_256_bit_and_only_its_hmac_is_stored(store: TenantSt
 async def _everything_in(redis: Any) -> bytes:
     """Every key and value Redis holds, uncompressed (DUMP's payload is LZF-compressed)."""
     out = []
-    for key in await redis.keys("*"):
+    # SCAN, not KEYS: a cluster client scans every primary (KEYS asks one node).
+    for key in [k async for k in redis.scan_iter(match="*")]:
         kind = await redis.type(key)
         kind = kind.decode() if isinstance(kind, bytes) else kind
         if kind == "string":
