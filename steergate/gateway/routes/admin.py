@@ -152,10 +152,6 @@ async def _audit(
     )
 
 
-def _only(body: dict[str, Any], allowed: frozenset[str] | set[str]) -> None:
-    reject_unknown(body, allowed)
-
-
 def _changes(before: dict[str, Any], after: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """{"limits.rpm": [old, new], ...}: what an update changed, as dotted paths."""
     out: dict[str, Any] = {}
@@ -272,7 +268,7 @@ async def delete_tenant(tenant_id: str, request: Request) -> Response:
 @router.post("/tenants/{tenant_id}/keys", status_code=201, openapi_extra=_body_doc(KeyCreateBody))
 async def create_key(tenant_id: str, request: Request) -> JSONResponse:
     body = await _json_object(request)
-    _only(body, KEY_FIELDS)
+    reject_unknown(body, KEY_FIELDS)
     info, key = await _store(request).create_key_info(
         tenant_id,
         name=body.get("name"),
@@ -301,7 +297,7 @@ async def list_keys(tenant_id: str, request: Request) -> dict[str, Any]:
 @router.post("/keys/{key_id}/rotate", openapi_extra=_body_doc(KeyRotateBody))
 async def rotate_key(key_id: str, request: Request) -> JSONResponse:
     body = await _json_object(request)
-    _only(body, {"grace_s"})
+    reject_unknown(body, {"grace_s"})
     grace = body.get("grace_s", DEFAULT_GRACE_S)
     if isinstance(grace, bool) or not isinstance(grace, int) or not 0 <= grace <= MAX_GRACE_S:
         raise InvalidField(
@@ -351,7 +347,7 @@ async def revoke_key(key_id: str, request: Request) -> Response:
 @router.post("/keys", status_code=201, openapi_extra=_body_doc(AdminKeyCreateBody))
 async def create_admin_key(request: Request) -> JSONResponse:
     body = await _json_object(request)
-    _only(body, {"role", "name"})
+    reject_unknown(body, {"role", "name"})
     role = body.get("role")
     if role not in ADMIN_ROLES:
         raise InvalidField("role", f"'role' is required: one of {', '.join(ADMIN_ROLES)}")

@@ -8,12 +8,10 @@ admin keys, in Redis; resolving a presented key (through the auth cache,
 from __future__ import annotations
 
 import builtins
-import hmac
 import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
-from hashlib import sha256
 from typing import Any
 
 import orjson
@@ -83,9 +81,7 @@ class TenantStore:
         """The tenant's prefix-cache secret: HMAC-SHA256(pepper, its stored random
         ``cache_salt``). Redis holds only the random value, so a dump of it without the
         pepper does not give the salt the engines see (as for API keys)."""
-        nonce = tenant.cache_salt.get_secret_value()
-        mac = hmac.new(self._pepper.encode(), b"cache-salt\0" + nonce.encode(), sha256)
-        return mac.hexdigest()
+        return apikeys.hash_key(self._pepper, "cache-salt\0" + tenant.cache_salt.get_secret_value())
 
     # -- tenants ---------------------------------------------------------------
 
