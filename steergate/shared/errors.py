@@ -138,6 +138,9 @@ _CODES = (
     _e("latch_not_found", 404, _N, _BOTH, "the caller has no latch for this conversation"),
     _e("method_not_allowed", 405, _N, _BOTH, "the route exists, the method does not"),
     _e("tenant_exists", 409, _N, _GW, "`POST /admin/tenants` with an id in use"),
+    _e("key_changed", 409, _B, _GW,
+       "`POST /admin/keys/{key_id}/rotate` lost the race to other rotations or changes of "
+       "the same key five times; nothing of this rotation was kept, retrying is safe"),
     _e("engine_overcommitted", 409, _N, _GW,
        "limits whose Σ latch quotas over all tenants would exceed the smallest engine's caps, "
        "without `allow_overcommit`"),

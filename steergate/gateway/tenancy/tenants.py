@@ -51,6 +51,9 @@ log = logging.getLogger("steergate.gateway.tenants")
 EngineCaps = Callable[[], "tuple[int, int] | None"]
 OnTenantDeleted = Callable[[str, list[str], list[str]], Awaitable[None]]
 
+#: Compare-and-set tries of one rotation before it answers 409 ``key_changed``.
+ROTATE_ATTEMPTS = 5
+
 
 class TenantStore:
     """CRUD for tenants and keys, key resolution, and cache invalidation."""
@@ -268,9 +271,12 @@ class TenantStore:
         still in the grace of an earlier rotation stops at once (one previous secret at
         a time). Returns the updated record and the new raw key, or None (no such key).
         The record is replaced by compare-and-set, so a concurrent rotation or revoke
-        of the same key never leaves a secret behind that the record does not name."""
+        of the same key never leaves a secret behind that the record does not name. A
+        rotation that loses the compare-and-set ``ROTATE_ATTEMPTS`` times to other
+        changes of the same key is 409 ``key_changed`` (retrying is safe): it is not
+        a missing key."""
         async with store_errors():
-            for _ in range(5):
+            for _ in range(ROTATE_ATTEMPTS):
                 owner = await self.redis.get(keys.key_owner(key_id))
                 if not owner:
                     return None
@@ -283,7 +289,12 @@ class TenantStore:
                 if rotated is not None:
                     break
             else:
-                return None
+                raise APIError(
+                    "key_changed",
+                    f"key '{key_id}' was changed by other requests while this rotation ran; "
+                    "retry it",
+                    param="key_id",
+                )
             self.cache.drop_key(key_id)
             return rotated
 
