@@ -417,10 +417,11 @@ async def _serve(settings: GatewaySettings, engine: Engine, info: dict[str, Any]
     import uvicorn
 
     from steergate.gateway.app import create_app
+    from steergate.gateway.server import connection_options
 
     server = uvicorn.Server(uvicorn.Config(
         create_app(settings), host=settings.host, port=settings.port, log_level="warning",
-        lifespan="on",
+        lifespan="on", **connection_options(settings),
     ))
     connect_host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
     gateway_url = f"http://{connect_host}:{settings.port}"

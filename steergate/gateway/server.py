@@ -74,12 +74,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def connection_options(settings: GatewaySettings) -> dict[str, Any]:
-    """uvicorn options that bound what one client connection may hold: httptools with a
-    request-head timeout (``steergate/gateway/edge/head_timeout.py``) and the keep-alive idle
-    timeout."""
-    from steergate.gateway.edge.head_timeout import head_timeout_protocol
+    """uvicorn options that bound what one client connection may hold: the gateway's
+    httptools protocol (``steergate/gateway/edge/http_protocol.py``: a request-head timeout,
+    JSON 400s for malformed HTTP) and the keep-alive idle timeout."""
+    from steergate.gateway.edge.http_protocol import gateway_http_protocol
 
     return {
-        "http": head_timeout_protocol(settings.header_timeout_s),
+        "http": gateway_http_protocol(settings.header_timeout_s),
         "timeout_keep_alive": KEEP_ALIVE_S,
     }
