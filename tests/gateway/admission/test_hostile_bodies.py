@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.gateway.conftest import ADMIN_KEY, ENGINE_TOKEN, PEPPER, FakeEngine, make_tenant
+from tests.gateway.conftest import FakeEngine, installed_gateway, make_tenant
 from tests.gateway.hostile_load import p95, probe, summary, under_attack
 from tests.harness import GatewayProcess
 
@@ -19,14 +19,7 @@ ATTACK_S = 8.0
 
 @pytest.fixture()
 def gateway_process(redis_url: str, fake_engine: FakeEngine) -> Iterator[GatewayProcess]:
-    env = {
-        "REDIS_URL": redis_url,
-        "STEERGATE_ENGINE_URLS": fake_engine.url,
-        "STEERGATE_ENGINE_TOKEN": ENGINE_TOKEN,
-        "STEERGATE_ADMIN_KEY": ADMIN_KEY,
-        "STEERGATE_KEY_PEPPER": PEPPER,
-    }
-    gw = GatewayProcess(env).start()
+    gw = installed_gateway(redis_url, fake_engine.url)
     yield gw
     gw.stop()
 

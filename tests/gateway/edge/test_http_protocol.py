@@ -13,7 +13,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.gateway.conftest import ADMIN_KEY, ENGINE_TOKEN, PEPPER, FakeEngine
+from tests.gateway.conftest import FakeEngine, installed_gateway
 from tests.harness import GatewayProcess
 
 MALFORMED = {
@@ -33,15 +33,8 @@ MALFORMED = {
 
 
 @pytest.fixture()
-def installed_gateway(redis_url: str, fake_engine: FakeEngine) -> Iterator[GatewayProcess]:
-    env = {
-        "REDIS_URL": redis_url,
-        "STEERGATE_ENGINE_URLS": fake_engine.url,
-        "STEERGATE_ENGINE_TOKEN": ENGINE_TOKEN,
-        "STEERGATE_ADMIN_KEY": ADMIN_KEY,
-        "STEERGATE_KEY_PEPPER": PEPPER,
-    }
-    gw = GatewayProcess(env).start()
+def gateway_process(redis_url: str, fake_engine: FakeEngine) -> Iterator[GatewayProcess]:
+    gw = installed_gateway(redis_url, fake_engine.url)
     yield gw
     gw.stop()
 
@@ -58,9 +51,9 @@ def _exchange(port: int, data: bytes) -> bytes:
 
 @pytest.mark.parametrize("name", list(MALFORMED))
 def test_malformed_http_gets_an_openai_shaped_400_and_the_connection_closes(
-    installed_gateway: GatewayProcess, name: str
+    gateway_process: GatewayProcess, name: str
 ) -> None:
-    answer = _exchange(installed_gateway.port, MALFORMED[name])
+    answer = _exchange(gateway_process.port, MALFORMED[name])
     head, _, body = answer.partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     headers = {k.lower(): v for k, v in (line.split(": ", 1) for line in lines[1:])}
@@ -80,4 +73,4 @@ def test_malformed_http_gets_an_openai_shaped_400_and_the_connection_closes(
     assert error["request_id"] == headers["x-request-id"]
     assert error["request_id"].startswith("req_")
     # The gateway goes on serving: a well-formed request right after is answered.
-    assert httpx.get(installed_gateway.url + "/healthz", timeout=10).status_code == 200
+    assert httpx.get(gateway_process.url + "/healthz", timeout=10).status_code == 200
