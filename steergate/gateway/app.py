@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect
 
 from steergate.gateway import tracing
 from steergate.gateway.admission import refusals
@@ -262,6 +263,12 @@ def _install_error_handlers(app: FastAPI) -> None:
         message = f"Invalid request: {first.get('msg', 'bad input')}"
         return _respond(request, APIError("invalid_request", message, param=param))
 
+    async def client_left(request: Request, exc: Exception) -> Response:
+        # The client went away while its body was being read (or the body bound closed
+        # its connection): nothing ran and nobody is listening. Not a server error.
+        log.info("client left before its request body was read on %s", request.url.path)
+        return Response(status_code=inference.CLIENT_CLOSED)
+
     async def unexpected(request: Request, exc: Exception) -> Response:
         log.error("unhandled error on %s: %s", request.url.path, type(exc).__name__)
         return _respond(request, APIError("internal_error", "Internal error."))
@@ -269,6 +276,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(ClientDisconnect, client_left)
     app.add_exception_handler(Exception, unexpected)
 
 

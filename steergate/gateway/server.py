@@ -75,11 +75,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def connection_options(settings: GatewaySettings) -> dict[str, Any]:
     """uvicorn options that bound what one client connection may hold: the gateway's
-    httptools protocol (``steergate/gateway/edge/http_protocol.py``: a request-head timeout,
-    JSON 400s for malformed HTTP) and the keep-alive idle timeout."""
+    httptools protocol (``steergate/gateway/edge/http_protocol.py``: request head and body
+    timeouts, JSON 400s for malformed HTTP) and the keep-alive idle timeout."""
     from steergate.gateway.edge.http_protocol import gateway_http_protocol
 
     return {
-        "http": gateway_http_protocol(settings.header_timeout_s),
+        "http": gateway_http_protocol(settings.header_timeout_s, settings.body_timeout_s),
         "timeout_keep_alive": KEEP_ALIVE_S,
     }

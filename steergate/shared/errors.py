@@ -66,6 +66,7 @@ _TYPE_BY_STATUS = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     409: "conflict_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
@@ -154,6 +155,9 @@ _CODES = (
     _e("latch_missing", 409, _N, _INT,
        "the engine's cache lacks the conversation's latch (the gateway restores it and sends "
        "the turn again)"),
+    _e("request_timeout", 408, _B, _GW,
+       "the request body was not complete within `STEERGATE_BODY_TIMEOUT_S` (60 s) of its "
+       "head; the connection closes. Nothing of the request ran"),
     _e("request_too_large", 413, _N, _BOTH,
        "body larger than `STEERGATE_MAX_BODY_BYTES` (gateway) or than vLLM accepts"),
     _e("unsupported_media_type", 415, _N, _EN,

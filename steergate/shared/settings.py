@@ -142,6 +142,12 @@ class GatewaySettings(BaseSettings):
         gt=0,
         description="Connections that send no complete request head within this are closed.",
     )
+    body_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="A request body must be complete within this many seconds of its head "
+        "(else 408 request_timeout and the connection closes).",
+    )
     engine_connect_timeout_s: float = Field(
         default=5.0, gt=0, description="Engine connect timeout."
     )

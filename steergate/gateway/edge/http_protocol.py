@@ -1,12 +1,20 @@
-"""The gateway's HTTP/1.1 server protocol: uvicorn's httptools protocol, plus a bound on
-how long a connection may take to send a complete request head, and the project's error
-shape for a request that is not HTTP at all.
+"""The gateway's HTTP/1.1 server protocol: uvicorn's httptools protocol, plus bounds on
+how long a client may take to send a request, and the project's error shape for a
+request that is not HTTP at all.
 
 uvicorn closes a keep-alive connection that stays idle after a response
 (``timeout_keep_alive``), but not one that never sends a request, nor one that sends its
-head a byte at a time (slowloris): each would hold a socket and its buffers for ever.
-Here a timer starts when the connection opens and again when the next request's first
-byte arrives; the connection is closed unless the head is complete when it fires.
+head or its body a byte at a time (slowloris): each would hold a socket, its buffers and
+a task for ever, and a valid key is enough to open thousands. One timer per connection:
+
+- **head**: from the connection's start, and again from the next request's first byte,
+  the head must be complete within ``head_timeout_s``, else the connection is closed
+  (nothing was asked, so nothing is answered);
+- **body**: from the head's end, the body must be complete within ``body_timeout_s``,
+  else the client gets 408 ``request_timeout`` in the error shape (unless a response has
+  started: an early 401 does not wait for the body) and the connection closes. The app
+  reading the body sees a client that left. A pipelined request waiting behind another
+  one's response is not the client's fault: its clock starts again.
 
 A request the HTTP parser rejects (a control character in a header, a malformed request
 line, a bad chunk size) never reaches the app, so no middleware shapes its answer:
@@ -20,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -34,66 +43,102 @@ MALFORMED = "the request is not valid HTTP/1.1 (request line, a header or the bo
 
 class GatewayHTTPProtocol(HttpToolsProtocol):
     head_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._head_timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._arm()
+        self._arm(self.head_timeout_s, self._head_timed_out)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        if self._head_timer is None:
-            self._arm()
+        if self._timer is None:
+            self._arm(self.head_timeout_s, self._head_timed_out)
 
     def on_headers_complete(self) -> None:
-        self._disarm()
         super().on_headers_complete()
+        self._arm(self.body_timeout_s, self._body_timed_out)
+
+    def on_message_complete(self) -> None:
+        self._disarm()
+        super().on_message_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         super().connection_lost(exc)
 
-    def _arm(self) -> None:
-        self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+    def _arm(self, seconds: float, then: Callable[[], None]) -> None:
+        self._disarm()
+        self._timer = self.loop.call_later(seconds, then)
 
     def _disarm(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def _head_timed_out(self) -> None:
-        self._head_timer = None
+        self._timer = None
         if not self.transport.is_closing():
             log.debug("closing a connection that sent no complete request head")
             self.transport.close()
+
+    def _body_timed_out(self) -> None:
+        self._timer = None
+        if self.transport.is_closing():
+            return
+        if self.pipeline:  # queued behind a response still being sent: wait on
+            self._arm(self.body_timeout_s, self._body_timed_out)
+            return
+        cycle = self.cycle
+        if cycle is not None and cycle.response_started:
+            log.debug("closing a connection whose request body never ended")
+            self.transport.close()
+            return
+        log.info("request body not complete within %g s: 408", self.body_timeout_s)
+        message = f"the request body did not arrive within {self.body_timeout_s:g} seconds"
+        self._answer_and_close(408, "request_timeout", message)
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to what its parser refuses (``msg``: uvicorn's words, logged
         by it already), in the project's error shape."""
         self._disarm()
+        self._answer_and_close(400, "invalid_request", MALFORMED)
+
+    def _answer_and_close(self, status: int, code: str, message: str) -> None:
+        """Write a whole error response in the project's shape, then close: the app (if
+        it runs) sees the client leave, and whatever it sends later goes nowhere."""
         rid = request_id.new()
-        error = errors.error_body(MALFORMED, "invalid_request_error", None, "invalid_request")
+        error = errors.error_body(message, errors.spec(code).type, None, code)
         error["error"]["request_id"] = rid
         body = orjson.dumps(error)
-        head = [STATUS_LINE[400]]
+        head = [STATUS_LINE[status]]
         for name, value in self.server_state.default_headers:
             head += [name, b": ", value, b"\r\n"]
         extra = {
             "content-type": "application/json",
             "content-length": str(len(body)),
             request_id.HEADER: rid,
-            **errors.retry_headers("invalid_request"),
+            **errors.retry_headers(code),
             "connection": "close",
         }
         for key, text in extra.items():
             head += [key.encode(), b": ", text.encode(), b"\r\n"]
+        if self.cycle is not None:  # as uvicorn's connection_lost: the app sees a client
+            self.cycle.disconnected = True  # that left, and its own answer goes nowhere
+            self.cycle.message_event.set()
         self.transport.write(b"".join([*head, b"\r\n", body]))
         self.transport.close()
 
 
-def gateway_http_protocol(head_timeout_s: float) -> type[GatewayHTTPProtocol]:
-    """The protocol class for uvicorn's ``http=`` option, with this head timeout."""
-    return type("GatewayHTTPProtocol", (GatewayHTTPProtocol,), {"head_timeout_s": head_timeout_s})
+def gateway_http_protocol(
+    head_timeout_s: float, body_timeout_s: float
+) -> type[GatewayHTTPProtocol]:
+    """The protocol class for uvicorn's ``http=`` option, with these timeouts."""
+    return type(
+        "GatewayHTTPProtocol",
+        (GatewayHTTPProtocol,),
+        {"head_timeout_s": head_timeout_s, "body_timeout_s": body_timeout_s},
+    )
