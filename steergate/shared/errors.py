@@ -139,6 +139,9 @@ _CODES = (
     _e("latch_not_found", 404, _N, _BOTH, "the caller has no latch for this conversation"),
     _e("method_not_allowed", 405, _N, _BOTH, "the route exists, the method does not"),
     _e("tenant_exists", 409, _N, _GW, "`POST /admin/tenants` with an id in use"),
+    _e("tenant_changed", 409, _B, _GW,
+       "`PATCH /admin/tenants/{id}` lost the race to other updates of the same tenant five "
+       "times; nothing of this update was kept, retrying is safe"),
     _e("key_changed", 409, _B, _GW,
        "`POST /admin/keys/{key_id}/rotate` lost the race to other rotations or changes of "
        "the same key five times; nothing of this rotation was kept, retrying is safe"),

@@ -291,6 +291,25 @@ class DropVector(_VectorCall):
         return [self.name]
 
 
+# -- tenants -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CasTenant:
+    """cas_tenant.lua: compare-and-set a tenant's record (an update)."""
+
+    script: ClassVar[str] = "cas_tenant"
+    tenant_id: str
+    expected: bytes | str
+    new: bytes | str
+
+    def keys(self) -> Sequence[str]:
+        return [key_names.tenant_record(self.tenant_id)]
+
+    def argv(self) -> list[Any]:
+        return [self.expected, self.new]
+
+
 # -- API keys ----------------------------------------------------------------------------
 
 
@@ -343,6 +362,7 @@ CALLS: tuple[type[LuaCall], ...] = (
     DropLatch,
     PutVector,
     DropVector,
+    CasTenant,
     TakeKey,
     CasKey,
     RecordKeyUse,
@@ -361,6 +381,7 @@ class Scripts:
     drop_latch: Any
     put_vector: Any
     drop_vector: Any
+    cas_tenant: Any
     take_key: Any
     cas_key: Any
     record_key_use: Any

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from steergate.gateway.store import key_names as keys
 from steergate.gateway.store.connection import Redis, store_errors
-from steergate.gateway.store.scripts import CasKey, Scripts, TakeKey
+from steergate.gateway.store.scripts import CasKey, CasTenant, Scripts, TakeKey
 from steergate.gateway.tenancy import api_keys as apikeys
 from steergate.gateway.tenancy.audit import AuditLog
 from steergate.gateway.tenancy.auth_cache import AuthCache
@@ -51,7 +51,8 @@ log = logging.getLogger("steergate.gateway.tenants")
 EngineCaps = Callable[[], "tuple[int, int] | None"]
 OnTenantDeleted = Callable[[str, list[str], list[str]], Awaitable[None]]
 
-#: Compare-and-set tries of one rotation before it answers 409 ``key_changed``.
+#: Compare-and-set tries of one key rotation or tenant update before it answers 409
+#: (``key_changed``, ``tenant_changed``).
 ROTATE_ATTEMPTS = 5
 
 
@@ -130,16 +131,45 @@ class TenantStore:
         return [Tenant.from_record(raw) for raw in raws if raw]
 
     async def update(self, tenant_id: str, patch: dict[str, Any]) -> Tenant:
-        """Apply a partial update: ``name``, ``allow_overcommit``, ``limits`` (partial)."""
-        current = await self.require(tenant_id)
-        reject_unknown(patch, ("name", "limits", "allow_overcommit"))
+        """Apply a partial update: ``name``, ``allow_overcommit``, ``limits`` (partial).
+        The record is replaced by compare-and-set against the one the patch was merged
+        into, so updates running at once each keep their change (one that loses the race
+        merges again, ``ROTATE_ATTEMPTS`` times, then 409 ``tenant_changed``), and an
+        update never brings back a tenant deleted meanwhile."""
+        for _ in range(ROTATE_ATTEMPTS):
+            async with store_errors():
+                raw = await self.redis.get(keys.tenant_record(tenant_id))
+            if not raw:
+                raise APIError("tenant_not_found", f"no tenant '{tenant_id}'", param="id")
+            reject_unknown(patch, ("name", "limits", "allow_overcommit"))
+            if patch.get("limits") is not None and not isinstance(patch["limits"], dict):
+                raise APIError("invalid_request", "'limits' must be an object", param="limits")
+            updated = self._patched(Tenant.from_record(raw), patch)
+            await self._check_overcommit(updated)
+            async with store_errors():
+                swapped = await self.scripts.run(
+                    CasTenant(tenant_id=tenant_id, expected=raw, new=updated.record())
+                )
+                if swapped:
+                    await self.events.publish(f"tenant:{tenant_id}")
+                    break
+        else:
+            raise APIError(
+                "tenant_changed",
+                f"tenant '{tenant_id}' was changed by other requests while this update ran; "
+                "retry it",
+                param="id",
+            )
+        self.cache.drop_tenant(tenant_id)
+        return updated
+
+    @staticmethod
+    def _patched(current: Tenant, patch: dict[str, Any]) -> Tenant:
         limits = current.limits.model_dump()
         if patch.get("limits") is not None:
-            if not isinstance(patch["limits"], dict):
-                raise APIError("invalid_request", "'limits' must be an object", param="limits")
             limits.update(patch["limits"])
         try:
-            updated = Tenant(
+            return Tenant(
                 id=current.id,
                 name=patch["name"] if patch.get("name") is not None else current.name,
                 limits=Limits.model_validate(limits),
@@ -149,18 +179,14 @@ class TenantStore:
             )
         except ValidationError as exc:
             raise invalid_field(exc, "limits") from exc
-        await self._check_overcommit(updated)
-        async with store_errors():
-            await self.redis.set(keys.tenant_record(tenant_id), updated.record(), xx=True)
-            await self.events.publish(f"tenant:{tenant_id}")
-        self.cache.drop_tenant(tenant_id)
-        return updated
 
     async def delete(self, tenant_id: str) -> bool:
         """Remove the tenant with its keys, latches, vectors and usage; the engine-side
-        latches and vectors go through ``on_deleted`` (wired to the engine pool)."""
+        latches and vectors go through ``on_deleted`` (wired to the engine pool). The
+        record is taken out first, in one command: of deletes running at once exactly one
+        proceeds (and is audited, and cleans the engines); the others find no tenant."""
         async with store_errors():
-            if not await self.redis.exists(keys.tenant_record(tenant_id)):
+            if not await self.redis.getdel(keys.tenant_record(tenant_id)):
                 return False
             key_rows = await self.redis.hgetall(keys.tenant_keys(tenant_id))
             latch_ids = list(await self.redis.zrange(keys.latches(tenant_id), 0, -1))
@@ -417,11 +443,12 @@ class TenantStore:
         """Revoke an admin key on every replica (pub/sub, like tenant keys)."""
         async with store_errors():
             row = await self.redis.hget(keys.ADMIN_KEYS, key_id)
-            if not row:
+            # HDEL decides: of revokes running at once, one removes the row; the others
+            # find no key (404), as a later revoke would.
+            if not row or not await self.redis.hdel(keys.ADMIN_KEYS, key_id):
                 return None
             doc = orjson.loads(row)
             await self.redis.delete(keys.admin_key_lookup(doc["hash"]))
-            await self.redis.hdel(keys.ADMIN_KEYS, key_id)
             await self.events.publish(f"key:{key_id}")
         self.cache.drop_key(key_id)
         return admin_key_from(key_id, doc)

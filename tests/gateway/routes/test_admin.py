@@ -309,3 +309,101 @@ def test_engine_urls_are_shown_without_credentials() -> None:
 
     assert display_url("http://user:secret@engine:8100") == "http://engine:8100"
     assert display_url("http://engine:8100") == "http://engine:8100"
+
+
+def _all_at_once(requests: list[tuple[str, str, str]]) -> list[httpx.Response]:
+    """(method, url, admin path) requests sent together."""
+    import asyncio
+
+    async def go() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=30, headers=ADMIN) as client:
+            return await asyncio.gather(*(client.request(m, u + p) for m, u, p in requests))
+
+    return asyncio.run(go())
+
+
+def _audited(ops: Ops, action: str, target: str) -> int:
+    entries = ops.admin("GET", "/admin/audit?limit=1000").json()["entries"]
+    return sum(1 for e in entries if (e["action"], e["target"]) == (action, target))
+
+
+def test_concurrent_deletes_of_one_tenant_answer_204_once(start_gateway: Any, ops: Ops) -> None:
+    """The race: 12 deletes of one tenant through two replicas used to answer 204 up to
+    10 times, each audited and each cleaning the engines. Exactly one deletes it; the
+    others are 404 ``tenant_not_found``, as a delete after it would be."""
+    other = start_gateway()
+    for round_ in range(3):
+        tenant = f"gone-{round_}"
+        ops.tenant(tenant)
+        path = f"/admin/tenants/{tenant}"
+        answers = _all_at_once(
+            [("DELETE", gw, path) for _ in range(6) for gw in (ops.url, other.url)]
+        )
+        statuses = sorted(r.status_code for r in answers)
+        assert statuses == [204] + [404] * 11, statuses
+        assert {_error(r)["code"] for r in answers if r.status_code == 404} == {"tenant_not_found"}
+        assert _audited(ops, "tenant.delete", tenant) == 1
+
+
+def test_concurrent_revokes_of_one_admin_key_answer_204_once(start_gateway: Any, ops: Ops) -> None:
+    other = start_gateway()
+    for _ in range(3):
+        created = ops.admin("POST", "/admin/keys", json={"role": "viewer"})
+        assert created.status_code == 201, created.text
+        key_id = created.json()["key_id"]
+        path = f"/admin/keys/{key_id}"
+        answers = _all_at_once(
+            [("DELETE", gw, path) for _ in range(6) for gw in (ops.url, other.url)]
+        )
+        statuses = sorted(r.status_code for r in answers)
+        assert statuses == [204] + [404] * 11, statuses
+        assert _audited(ops, "admin_key.revoke", key_id) == 1
+        who = httpx.get(ops.url + "/admin/tenants", headers=bearer(created.json()["key"]))
+        assert who.status_code == 401
+
+
+def test_concurrent_updates_of_one_tenant_each_keep_their_change(
+    start_gateway: Any, ops: Ops
+) -> None:
+    """The race: PATCHes of different fields of one tenant, at once through two
+    replicas, all answered 200 while 3 to 5 of 8 changes were lost (each merged into the
+    record it read, the last write won). Now each change is kept, or its request is told
+    (409 ``tenant_changed``, retryable) and changed nothing."""
+    import asyncio
+
+    other = start_gateway()
+    fields = ["rpm", "tpm", "max_concurrency", "latch_count", "latch_bytes", "vector_count"]
+    for round_ in range(3):
+        tenant = f"busy-{round_}"
+        ops.tenant(tenant)
+        before = ops.admin("GET", f"/admin/tenants/{tenant}").json()["limits"]
+        wanted = {f: before[f] + 7 for f in fields}
+
+        async def storm(tenant: str = tenant, wanted: dict = wanted) -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=30, headers=ADMIN) as client:
+                return await asyncio.gather(
+                    *(
+                        client.patch(
+                            (ops.url, other.url)[i % 2] + f"/admin/tenants/{tenant}",
+                            json={"limits": {field: value}},
+                        )
+                        for i, (field, value) in enumerate(wanted.items())
+                    ),
+                    client.patch(ops.url + f"/admin/tenants/{tenant}", json={"name": "renamed"}),
+                )
+
+        answers = asyncio.run(storm())
+        assert {r.status_code for r in answers} <= {200, 409}, [r.text for r in answers]
+        kept = {
+            field
+            for field, r in zip(wanted, answers, strict=False)
+            if r.status_code == 200
+        }
+        for r in answers:
+            if r.status_code == 409:
+                assert _error(r)["code"] == "tenant_changed"
+        after = ops.admin("GET", f"/admin/tenants/{tenant}")
+        limits = after.json()["limits"]
+        for field in fields:
+            assert limits[field] == (wanted[field] if field in kept else before[field]), field
+        assert after.json()["name"] == ("renamed" if answers[-1].status_code == 200 else "")
