@@ -102,6 +102,10 @@ elseif action == "drop" then
   remove()
   redis.call("HDEL", KEYS[9], conv)
 elseif action == "restore" then
+  -- Only over the entry this turn's admission left: if it is gone, a quota eviction or a
+  -- client DELETE removed the conversation meanwhile, and putting the earlier state back
+  -- would resurrect it (over the quota, without its spec).
+  if not cur then return 0 end
   remove()
   if ARGV[9] ~= "" then
     redis.call("ZADD", KEYS[6], now, conv)
