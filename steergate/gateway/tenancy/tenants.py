@@ -53,7 +53,7 @@ OnTenantDeleted = Callable[[str, list[str], list[str]], Awaitable[None]]
 
 #: Compare-and-set tries of one key rotation or tenant update before it answers 409
 #: (``key_changed``, ``tenant_changed``).
-ROTATE_ATTEMPTS = 5
+CAS_ATTEMPTS = 5
 
 
 class TenantStore:
@@ -134,9 +134,9 @@ class TenantStore:
         """Apply a partial update: ``name``, ``allow_overcommit``, ``limits`` (partial).
         The record is replaced by compare-and-set against the one the patch was merged
         into, so updates running at once each keep their change (one that loses the race
-        merges again, ``ROTATE_ATTEMPTS`` times, then 409 ``tenant_changed``), and an
+        merges again, ``CAS_ATTEMPTS`` times, then 409 ``tenant_changed``), and an
         update never brings back a tenant deleted meanwhile."""
-        for _ in range(ROTATE_ATTEMPTS):
+        for _ in range(CAS_ATTEMPTS):
             async with store_errors():
                 raw = await self.redis.get(keys.tenant_record(tenant_id))
             if not raw:
@@ -298,11 +298,11 @@ class TenantStore:
         a time). Returns the updated record and the new raw key, or None (no such key).
         The record is replaced by compare-and-set, so a concurrent rotation or revoke
         of the same key never leaves a secret behind that the record does not name. A
-        rotation that loses the compare-and-set ``ROTATE_ATTEMPTS`` times to other
+        rotation that loses the compare-and-set ``CAS_ATTEMPTS`` times to other
         changes of the same key is 409 ``key_changed`` (retrying is safe): it is not
         a missing key."""
         async with store_errors():
-            for _ in range(ROTATE_ATTEMPTS):
+            for _ in range(CAS_ATTEMPTS):
                 owner = await self.redis.get(keys.key_owner(key_id))
                 if not owner:
                     return None
