@@ -20,11 +20,12 @@ Deliberately free of imports from ``shared.errors`` / ``shared.asgi`` (which use
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
 import re
 import secrets
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping
 from typing import Any
 
 HEADER = "x-request-id"
@@ -53,6 +54,17 @@ def valid(value: str | None) -> bool:
 
 def new() -> str:
     return "req_" + secrets.token_hex(16)
+
+
+@contextlib.contextmanager
+def use(rid: str) -> Iterator[None]:
+    """``rid`` as the current id, for an answer made outside any request's context (the
+    HTTP protocol's own errors, before the app runs)."""
+    token = _current.set(rid)
+    try:
+        yield
+    finally:
+        _current.reset(token)
 
 
 def outgoing_headers() -> dict[str, str]:

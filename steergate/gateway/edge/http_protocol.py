@@ -31,7 +31,6 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import orjson
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from steergate.shared import errors, request_id
@@ -99,37 +98,30 @@ class GatewayHTTPProtocol(HttpToolsProtocol):
             return
         log.info("request body not complete within %g s: 408", self.body_timeout_s)
         message = f"the request body did not arrive within {self.body_timeout_s:g} seconds"
-        self._answer_and_close(408, "request_timeout", message)
+        self._answer_and_close("request_timeout", message)
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to what its parser refuses (``msg``: uvicorn's words, logged
         by it already), in the project's error shape."""
         self._disarm()
-        self._answer_and_close(400, "invalid_request", MALFORMED)
+        self._answer_and_close("invalid_request", MALFORMED)
 
-    def _answer_and_close(self, status: int, code: str, message: str) -> None:
+    def _answer_and_close(self, code: str, message: str) -> None:
         """Write a whole error response in the project's shape, then close: the app (if
         it runs) sees the client leave, and whatever it sends later goes nowhere."""
         rid = request_id.new()
-        error = errors.error_body(message, errors.spec(code).type, None, code)
-        error["error"]["request_id"] = rid
-        body = orjson.dumps(error)
-        head = [STATUS_LINE[status]]
+        with request_id.use(rid):
+            answer = errors.render(errors.APIError(code, message))
+        head = [STATUS_LINE[answer.status]]
         for name, value in self.server_state.default_headers:
             head += [name, b": ", value, b"\r\n"]
-        extra = {
-            "content-type": "application/json",
-            "content-length": str(len(body)),
-            request_id.HEADER: rid,
-            **errors.retry_headers(code),
-            "connection": "close",
-        }
-        for key, text in extra.items():
-            head += [key.encode(), b": ", text.encode(), b"\r\n"]
+        extra = [*answer.raw_headers(), (request_id.HEADER.encode(), rid.encode())]
+        for name, value in [*extra, (b"connection", b"close")]:
+            head += [name, b": ", value, b"\r\n"]
         if self.cycle is not None:  # as uvicorn's connection_lost: the app sees a client
             self.cycle.disconnected = True  # that left, and its own answer goes nowhere
             self.cycle.message_event.set()
-        self.transport.write(b"".join([*head, b"\r\n", body]))
+        self.transport.write(b"".join([*head, b"\r\n", answer.body]))
         self.transport.close()
 
 
