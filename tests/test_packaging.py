@@ -65,7 +65,10 @@ def test_the_wheel_holds_one_top_level_package_with_its_data(wheel: Path) -> Non
             continue
         rel = module.relative_to(ROOT).as_posix()
         assert rel in names, f"{rel} missing from the wheel"
-    assert "steergate/gateway/store/lua/admit_request.lua" in names
+    # every Lua script, the preludes put before some of them included
+    for script in (ROOT / "steergate" / "gateway" / "store" / "lua").rglob("*.lua"):
+        assert script.relative_to(ROOT).as_posix() in names, f"{script.name} missing"
+    assert "steergate/gateway/store/lua/prelude/tenant_generation.lua" in names
     assert "steergate/gateway/static/dashboard.js" in names
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()

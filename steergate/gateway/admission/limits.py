@@ -20,7 +20,7 @@ from steergate.gateway.admission.admitted import Admission
 from steergate.gateway.admission.refusals import Refused
 from steergate.gateway.store import key_names as keys
 from steergate.gateway.store.connection import store_errors, store_unavailable
-from steergate.gateway.store.scripts import AdmitRequest, Scripts
+from steergate.gateway.store.scripts import AdmitRequest, Scripts, TenantGone
 from steergate.gateway.tenancy.records import Tenant
 from steergate.gateway.tracing import span
 from steergate.shared.errors import APIError
@@ -173,6 +173,7 @@ class Limiter:
         finished = self.settler.leases.take_finished(tenant.id) if self.settler else []
         call = AdmitRequest(
             tenant_id=tenant.id,
+            generation=tenant.created_at,
             now_ms=now_ms,
             limits=lim,
             cost=cost,
@@ -195,6 +196,8 @@ class Limiter:
             async with store_errors():
                 with span("admission", tenant_id=tenant.id):
                     r = await self.scripts.run(call)
+        except TenantGone:
+            raise  # deleted since the key was resolved: nothing was written
         except APIError:
             if self.settler is not None:  # it may still run (a hung Redis replays it)
                 lost = Admission(

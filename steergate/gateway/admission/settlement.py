@@ -38,7 +38,15 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from steergate.gateway.admission.admitted import Admission
 from steergate.gateway.store.connection import Redis, is_cluster
-from steergate.gateway.store.scripts import RenewLeases, Scripts, SettleRequest, evalsha
+from steergate.gateway.store.scripts import (
+    RenewLeases,
+    Scripts,
+    SettleRequest,
+    TenantGone,
+    evalsha,
+    tenant_gone,
+    wire,
+)
 from steergate.gateway.tracing import span
 from steergate.shared.engine_api import DROP_STATES, KEEP_STATES
 
@@ -406,7 +414,8 @@ class Settler:
     async def _flush(self, batch: list[_Item]) -> list[_Item]:
         """Settle ``batch``; what must be tried again. One tenant's failing call fails
         only its own settlement; a connection failure fails the batch (sent again as a
-        whole: settle_request.lua is idempotent)."""
+        whole: settle_request.lua is idempotent). A settlement refused because its tenant
+        was deleted meanwhile is done: nothing of that tenant is left to charge."""
         try:
             with span("settlement", requests=len(batch)):
                 results = await self._settle([item.outcome for item in batch])
@@ -415,7 +424,7 @@ class Settler:
             results = [exc] * len(batch)
         failed = []
         for item, r in zip(batch, results, strict=True):
-            if isinstance(r, Exception):
+            if isinstance(r, Exception) and not tenant_gone(r):
                 failed.append(item)
             else:
                 a = item.outcome.admission
@@ -446,6 +455,7 @@ class Settler:
             prompt, completion = o.split()
             call = SettleRequest(
                 tenant_id=a.tenant.id,
+                generation=a.tenant.created_at,
                 now_ms=now_ms,
                 lease_id=a.lease_id,
                 tpm=a.tenant.limits.tpm,
@@ -460,9 +470,12 @@ class Settler:
                 completion_tokens=completion,
                 key_id=a.key_id,
             )
-            calls.append((call.keys(), call.argv()))
+            calls.append(wire(call))
         if len(calls) == 1:  # the usual case at low load: a pipeline costs more than it saves
-            return [await evalsha(script, *calls[0])]
+            try:
+                return [await evalsha(script, *calls[0])]
+            except TenantGone as exc:  # deleted while it ran: nothing left to charge
+                return [exc]
         if is_cluster(self.redis):
             # A cluster pipeline refuses EVALSHA (redis-py cannot route it by slot), so
             # on a cluster the batch is concurrent calls, each to its tenant's node.

@@ -33,7 +33,7 @@ from steergate.gateway.engines.upstream import (
 )
 from steergate.gateway.store import key_names as keys
 from steergate.gateway.store.connection import Redis, store_errors
-from steergate.gateway.store.scripts import KeepLatch, Scripts
+from steergate.gateway.store.scripts import KeepLatch, Scripts, TenantGone
 from steergate.shared.engine_api import EXPECT_FIELD, KEEP_STATES
 from steergate.shared.errors import APIError, InvalidField
 from steergate.shared.latch_spec import LatchSpec, SpecError, decode_spec
@@ -262,19 +262,24 @@ class Turn:
                 orphaned = await self.scripts.run(
                     KeepLatch(
                         tenant_id=self.tenant_id,
+                        generation=self.adm.tenant.created_at,
                         conversation_id=self.head.conversation_id,
                         info=info,
                         spec=spec.encode(),
                     )
                 )
-            if int(orphaned):
-                # A concurrent turn's quota eviction took it while this one ran: Redis
-                # holds no latch, so the engine's copy is never bridged; free its memory.
-                self.engines.forget_latches_soon(self.tenant_id, [self.head.conversation_id])
+        except TenantGone:
+            orphaned = 1  # the tenant was deleted while the turn ran: nothing to keep
         except APIError:
             # The engine holds it and the ledger counts it; only a restore elsewhere
             # is lost until the conversation latches again. Never fail the turn for it.
             log.warning("could not record a latch spec (store unavailable)")
+            return
+        if int(orphaned):
+            # A concurrent turn's quota eviction took it while this one ran (or its tenant
+            # is gone): Redis holds no latch, so the engine's copy is never bridged; free
+            # its memory.
+            self.engines.forget_latches_soon(self.tenant_id, [self.head.conversation_id])
 
 
 __all__ = ["MAX_INSTALLS", "Replayed", "Turn", "EngineUnreachable"]

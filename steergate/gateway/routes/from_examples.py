@@ -154,8 +154,7 @@ async def _make(
     }
     meta, replaced = await store_vector(
         svc,
-        tenant.id,
-        tenant.limits,
+        tenant,
         name,
         spec.hook,
         {layer: r.vector for layer, r in results.items()},

@@ -297,7 +297,9 @@ async def _unary(
     if ok:
         await turn.keep_latch(engine_state)
     state = _latch_state(adm, engine_state)
-    tokens, prompt = -1, -1
+    # The engine's refusal generated nothing: refunded, as a refused stream is. An answer
+    # without usage keeps its reservation (-1).
+    tokens, prompt = (-1, -1) if ok else (0, 0)
     if ok:
         try:
             doc = orjson.loads(body)

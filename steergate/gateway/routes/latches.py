@@ -43,7 +43,11 @@ async def delete_latch(conversation_id: str, tenant: TenantDep, svc: ServicesDep
     check_conversation_id(conversation_id)
     async with store_errors():
         removed = await svc.scripts.run(
-            DropLatch(tenant_id=tenant.id, conversation_ids=[conversation_id])
+            DropLatch(
+                tenant_id=tenant.id,
+                generation=tenant.created_at,
+                conversation_ids=[conversation_id],
+            )
         )
     if not removed:
         raise APIError(

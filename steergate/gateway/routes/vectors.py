@@ -28,6 +28,7 @@ from steergate.gateway.store import key_names as keys
 from steergate.gateway.store.connection import store_errors
 from steergate.gateway.store.scripts import DropVector, PutVector
 from steergate.gateway.tenancy.auth import TenantDep, caller_key
+from steergate.gateway.tenancy.records import Tenant
 from steergate.shared.codecs import CodecError, encode_packed, vector_digest
 from steergate.shared.errors import APIError, InvalidField
 from steergate.shared.gguf import decode_gguf_off_loop
@@ -54,14 +55,12 @@ def _not_found(name: str) -> APIError:
 async def put_vector(name: str, request: Request, tenant: TenantDep, svc: ServicesDep) -> Response:
     check_vector_name(name)
     async with admitted(svc.settler, svc.limiter.admit_plain(tenant, caller_key(request))) as call:
-        response = await _put_vector(name, request, tenant.id, tenant.limits, svc)
+        response = await _put_vector(name, request, tenant, svc)
         call.settle(response.status_code)
         return response
 
 
-async def _put_vector(
-    name: str, request: Request, tenant_id: str, lim: Any, svc: Services
-) -> Response:
+async def _put_vector(name: str, request: Request, tenant: Tenant, svc: Services) -> Response:
     shape = await svc.engines.known_shape()
     description = None
     if request.headers.get("content-type", "").split(";")[0].strip() == "application/octet-stream":
@@ -74,18 +73,17 @@ async def _put_vector(
     else:
         raw = await request.body()
         if len(raw) > OFF_LOOP_BYTES:  # in a worker process, after the tenant's others
-            hook, layers, description = await svc.bodies.parse_vector(raw, tenant_id, shape)
+            hook, layers, description = await svc.bodies.parse_vector(raw, tenant.id, shape)
         else:
             hook, layers, description = parse_vector_body(parse_body(raw), shape)
-    meta, prev = await store_vector(svc, tenant_id, lim, name, hook, layers, description)
+    meta, prev = await store_vector(svc, tenant, name, hook, layers, description)
     out = {k: meta[k] for k in ("name", "digest", "bytes", "layers", "hook")}
     return _json(out, 200 if prev else 201)
 
 
 async def store_vector(
     svc: Services,
-    tenant_id: str,
-    lim: Any,
+    tenant: Tenant,
     name: str,
     hook: str,
     layers: dict[int, np.ndarray],
@@ -96,6 +94,7 @@ async def store_vector(
     script), then offer it to every engine. ``extra``: more metadata (a made vector's
     ``provenance`` and ``report``). Returns the stored metadata and whether it
     replaced a vector of that name."""
+    lim = tenant.limits
     indices = sorted(layers)
     matrix = np.stack([np.asarray(layers[i], dtype=np.float32) for i in indices])
     nbytes = int(matrix.size * 4)
@@ -116,7 +115,8 @@ async def store_vector(
     async with store_errors():
         status, prev = await svc.scripts.run(
             PutVector(
-                tenant_id=tenant_id,
+                tenant_id=tenant.id,
+                generation=tenant.created_at,
                 name=name,
                 meta=orjson.dumps(meta),
                 nbytes=nbytes,
@@ -128,7 +128,7 @@ async def store_vector(
     if int(status):
         raise _over_quota(lim)
     # Stored: the tenant's vector exists from here on, whatever the engines do.
-    await svc.engines.put_vector_everywhere(tenant_id, name, body)
+    await svc.engines.put_vector_everywhere(tenant.id, name, body)
     return meta, bool(prev)
 
 
@@ -189,7 +189,9 @@ def _public(meta: dict[str, Any], data: str | None) -> dict[str, Any]:
 async def delete_vector(name: str, tenant: TenantDep, svc: ServicesDep) -> Response:
     check_vector_name(name)
     async with store_errors():
-        removed = await svc.scripts.run(DropVector(tenant_id=tenant.id, name=name))
+        removed = await svc.scripts.run(
+            DropVector(tenant_id=tenant.id, generation=tenant.created_at, name=name)
+        )
     if not removed:
         raise _not_found(name)
     await svc.engines.delete_vector_everywhere(tenant.id, name)

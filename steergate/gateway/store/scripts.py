@@ -8,7 +8,12 @@ script: a frozen dataclass of keyword-only fields whose ``keys()`` and ``argv()`
 them in the order the script's header comment lists as KEYS and ARGV, so no call site
 counts positions::
 
-    await scripts.run(DropVector(tenant_id=tenant.id, name=name))
+    await scripts.run(DropVector(tenant_id=tenant.id, generation=tenant.created_at, name=name))
+
+A script that writes a tenant's state is a :class:`TenantCall`: it names the tenant's
+generation (``Tenant.created_at``) as the request authenticated it, and runs behind
+``lua/prelude/tenant_generation.lua``, which refuses it (:class:`TenantGone`, nothing
+written) once that tenant is deleted, even if a tenant of the same id exists again.
 
 ``tests/gateway/store/test_scripts.py`` pins each builder's order and checks that every
 ``.lua`` file has exactly one builder.
@@ -22,12 +27,17 @@ from functools import cache
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
 
 from steergate.gateway.store import key_names
 from steergate.gateway.store.connection import Redis
+from steergate.shared.errors import APIError
 
 LUA_DIR = Path(__file__).resolve().parent / "lua"
+#: Put before every :class:`TenantCall`'s script: the tenant generation check.
+PRELUDE = "prelude/tenant_generation"
+#: The error a refused :class:`TenantCall` answers (the prelude's ``error_reply``).
+TENANT_GONE = "TENANT_GONE"
 
 
 @cache
@@ -46,21 +56,54 @@ class LuaCall(Protocol):
     def argv(self) -> list[Any]: ...
 
 
+class TenantGone(APIError):
+    """A :class:`TenantCall` refused: the tenant that authenticated the request was
+    deleted while it ran (nothing was written). To its caller the key no longer exists:
+    401 ``invalid_api_key``."""
+
+    def __init__(self) -> None:
+        super().__init__("invalid_api_key", "Incorrect API key: its tenant no longer exists.")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
-class _LatchCall:
-    """A script over the tenant's latch ledger: KEYS ``keys.latch_keys``."""
+class TenantCall:
+    """A script that writes a tenant's state. ``generation``: the tenant's
+    ``created_at`` as the caller's request authenticated it. :func:`wire` adds the
+    tenant record to its KEYS and the generation to its ARGV, last, for the prelude."""
 
     tenant_id: str
+    generation: float
+
+
+def wire(call: LuaCall) -> tuple[Sequence[str], list[Any]]:
+    """The KEYS and ARGV one EVALSHA of ``call`` sends: its own, and for a
+    :class:`TenantCall` the prelude's two after them."""
+    if isinstance(call, TenantCall):
+        return (
+            [*call.keys(), key_names.tenant_record(call.tenant_id)],
+            [*call.argv(), call.generation],
+        )
+    return call.keys(), call.argv()
+
+
+def tenant_gone(exc: BaseException) -> bool:
+    """Whether a script's error is the prelude's refusal."""
+    return isinstance(exc, TenantGone) or (
+        isinstance(exc, ResponseError) and str(exc).startswith(TENANT_GONE)
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _LatchCall(TenantCall):
+    """A script over the tenant's latch ledger: KEYS ``keys.latch_keys``."""
 
     def keys(self) -> Sequence[str]:
         return key_names.latch_keys(self.tenant_id)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class _VectorCall:
+class _VectorCall(TenantCall):
     """A script over the tenant's vectors: KEYS ``keys.vector_keys``."""
-
-    tenant_id: str
 
     def keys(self) -> Sequence[str]:
         return key_names.vector_keys(self.tenant_id)
@@ -107,11 +150,10 @@ class AdmissionLimits(Protocol):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class AdmitRequest:
+class AdmitRequest(TenantCall):
     """admit_request.lua: the whole admission decision of one request."""
 
     script: ClassVar[str] = "admit_request"
-    tenant_id: str
     now_ms: int
     #: The tenant's limits: rpm, tpm, concurrency, latch quota and policy, token budget.
     limits: AdmissionLimits
@@ -173,11 +215,10 @@ class AdmitRequest:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class SettleRequest:
+class SettleRequest(TenantCall):
     """settle_request.lua: account one finished (or cancelled) request."""
 
     script: ClassVar[str] = "settle_request"
-    tenant_id: str
     now_ms: int
     lease_id: str
     tpm: int
@@ -342,6 +383,21 @@ class CasKey:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class AddKey(TenantCall):
+    """add_key.lua: add a new API key's record to its tenant."""
+
+    script: ClassVar[str] = "add_key"
+    key_id: str
+    record: bytes | str
+
+    def keys(self) -> Sequence[str]:
+        return [key_names.tenant_keys(self.tenant_id)]
+
+    def argv(self) -> list[Any]:
+        return [self.key_id, self.record]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RecordKeyUse(_KeyRecordCall):
     """record_key_use.lua: the last-use times of a tenant's keys, one replica's batch."""
 
@@ -365,6 +421,7 @@ CALLS: tuple[type[LuaCall], ...] = (
     CasTenant,
     TakeKey,
     CasKey,
+    AddKey,
     RecordKeyUse,
 )
 
@@ -384,15 +441,24 @@ class Scripts:
     cas_tenant: Any
     take_key: Any
     cas_key: Any
+    add_key: Any
     record_key_use: Any
 
     @classmethod
     def load(cls, redis: Redis) -> Scripts:
-        return cls(**{c.script: redis.register_script(lua_source(c.script)) for c in CALLS})
+        return cls(**{c.script: redis.register_script(script_text(c)) for c in CALLS})
 
     async def run(self, call: LuaCall) -> Any:
-        """One EVALSHA of ``call``'s script with its KEYS and ARGV."""
-        return await evalsha(getattr(self, call.script), call.keys(), call.argv())
+        """One EVALSHA of ``call``'s script with its KEYS and ARGV (:func:`wire`);
+        :class:`TenantGone` if the prelude refused it."""
+        return await evalsha(getattr(self, call.script), *wire(call))
+
+
+def script_text(call: type[LuaCall]) -> str:
+    """What is loaded for ``call``: its ``.lua`` file, behind the prelude for a
+    :class:`TenantCall`."""
+    body = lua_source(call.script)
+    return f"{lua_source(PRELUDE)}\n{body}" if issubclass(call, TenantCall) else body
 
 
 async def evalsha(script: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
@@ -403,7 +469,12 @@ async def evalsha(script: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
     only Redis round trip."""
     client = script.registered_client
     try:
-        return await client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
-    except NoScriptError:
-        script.sha = await client.script_load(script.script)
-        return await client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+        try:
+            return await client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            script.sha = await client.script_load(script.script)
+            return await client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+    except ResponseError as exc:
+        if tenant_gone(exc):
+            raise TenantGone() from None
+        raise

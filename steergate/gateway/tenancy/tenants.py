@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from steergate.gateway.store import key_names as keys
 from steergate.gateway.store.connection import Redis, store_errors
-from steergate.gateway.store.scripts import CasKey, CasTenant, Scripts, TakeKey
+from steergate.gateway.store.scripts import AddKey, CasKey, CasTenant, Scripts, TakeKey, TenantGone
 from steergate.gateway.tenancy import api_keys as apikeys
 from steergate.gateway.tenancy.audit import AuditLog
 from steergate.gateway.tenancy.auth_cache import AuthCache
@@ -118,7 +118,7 @@ class TenantStore:
     async def require(self, tenant_id: str) -> Tenant:
         tenant = await self.get(tenant_id)
         if tenant is None:
-            raise APIError("tenant_not_found", f"no tenant '{tenant_id}'", param="id")
+            raise _no_tenant(tenant_id)
         return tenant
 
     async def list(self) -> list[Tenant]:
@@ -235,7 +235,10 @@ class TenantStore:
         limits: Any = None,
     ) -> tuple[KeyInfo, str]:
         """Validate the options (400 naming the field), store the key's HMAC and
-        record; return the key's public record and the raw key (shown once)."""
+        record; return the key's public record and the raw key (shown once). The record
+        is added last, behind the tenant generation check: if the tenant is deleted
+        meanwhile, the lookup entries just written are taken back and the answer is 404
+        (a tenant re-created with the id never lists the key)."""
         tenant = await self.require(tenant_id)
         now = time.time()
         name, expires_at, chosen, key_limits = check_key_options(
@@ -257,7 +260,19 @@ class TenantStore:
         async with store_errors():
             await self.redis.set(keys.key_lookup(key_hash), lookup_value(tenant, key_id, doc))
             await self.redis.set(keys.key_owner(key_id), f"{tenant_id} {key_hash}")
-            await self.redis.hset(keys.tenant_keys(tenant_id), key_id, orjson.dumps(doc))
+            try:
+                await self.scripts.run(
+                    AddKey(
+                        tenant_id=tenant_id,
+                        generation=tenant.created_at,
+                        key_id=key_id,
+                        record=orjson.dumps(doc),
+                    )
+                )
+            except TenantGone:
+                await self.redis.delete(keys.key_lookup(key_hash))  # global keys: one each
+                await self.redis.delete(keys.key_owner(key_id))
+                raise _no_tenant(tenant_id) from None
         return key_info_from(tenant_id, key_id, doc, None, now), key
 
     async def list_keys(self, tenant_id: str) -> builtins.list[KeyInfo]:
@@ -500,3 +515,7 @@ class TenantStore:
                 f"({caps[0]} latches / {caps[1]} bytes); lower the limits or set allow_overcommit",
                 param="limits",
             )
+
+
+def _no_tenant(tenant_id: str) -> APIError:
+    return APIError("tenant_not_found", f"no tenant '{tenant_id}'", param="id")

@@ -12,6 +12,7 @@ from steergate.gateway.store import key_names as keys
 from steergate.gateway.store.scripts import (
     CALLS,
     LUA_DIR,
+    AddKey,
     AdmitRequest,
     CasKey,
     DropLatch,
@@ -23,8 +24,9 @@ from steergate.gateway.store.scripts import (
     Scripts,
     SettleRequest,
     TakeKey,
+    wire,
 )
-from steergate.gateway.tenancy.records import Limits
+from steergate.gateway.tenancy.records import Limits, Tenant
 
 
 def test_every_lua_file_has_exactly_one_builder_and_one_loaded_script() -> None:
@@ -42,6 +44,7 @@ def test_builders_take_keyword_arguments_only() -> None:
 def test_admit_request_puts_each_named_field_at_its_argv_position() -> None:
     call = AdmitRequest(
         tenant_id="acme",
+        generation=1.5,
         now_ms=120_000,
         limits=Limits(
             rpm=2,
@@ -81,6 +84,7 @@ def test_admit_request_puts_each_named_field_at_its_argv_position() -> None:
 def test_settle_request_puts_each_named_field_at_its_argv_position() -> None:
     call = SettleRequest(
         tenant_id="acme",
+        generation=1.5,
         now_ms=60_000,
         lease_id="lease",
         tpm=3,
@@ -106,11 +110,18 @@ def test_the_small_builders_follow_their_headers() -> None:
     renew = RenewLeases(tenant_id="t", now_ms=1, expiry_ms=2, lease_ids=["x", "y"], storing=["c"])
     assert renew.keys() == [keys.leases("t"), keys.latches("t"), keys.latch_info("t")]
     assert renew.argv() == [1, 2, 2, "x", "y", "c"]
-    keep = KeepLatch(tenant_id="t", conversation_id="c", info="3:value:d", spec="s")
+    keep = KeepLatch(tenant_id="t", generation=1.5, conversation_id="c", info="3:value:d", spec="s")
     assert (keep.keys(), keep.argv()) == (keys.latch_keys("t"), ["c", "3:value:d", "s"])
-    assert DropLatch(tenant_id="t", conversation_ids=["a", "b"]).argv() == ["a", "b"]
+    assert DropLatch(tenant_id="t", generation=1, conversation_ids=["a", "b"]).argv() == ["a", "b"]
     put = PutVector(
-        tenant_id="t", name="v", meta="{}", nbytes=3, count_quota=4, bytes_quota=5, data="d"
+        tenant_id="t",
+        generation=1,
+        name="v",
+        meta="{}",
+        nbytes=3,
+        count_quota=4,
+        bytes_quota=5,
+        data="d",
     )
     assert (put.keys(), put.argv()) == (keys.vector_keys("t"), ["v", "{}", 3, 4, 5, "d"])
     assert TakeKey(tenant_id="t", key_id="k").keys() == [
@@ -120,18 +131,33 @@ def test_the_small_builders_follow_their_headers() -> None:
     assert CasKey(tenant_id="t", key_id="k", expected="a", new="b").argv() == ["k", "a", "b"]
     uses = RecordKeyUse(tenant_id="t", uses=[("k1", 1.5), ("k2", 2.0)])
     assert uses.argv() == ["k1", "1.500", "k2", "2.000"]
+    add = AddKey(tenant_id="t", generation=1, key_id="k", record="{}")
+    assert (add.keys(), add.argv()) == ([keys.tenant_keys("t")], ["k", "{}"])
+
+
+def test_a_tenant_call_sends_the_tenant_record_and_generation_last() -> None:
+    keep = KeepLatch(tenant_id="t", generation=1.25, conversation_id="c", info="i", spec="s")
+    assert wire(keep) == (
+        [*keys.latch_keys("t"), keys.tenant_record("t")],
+        ["c", "i", "s", 1.25],
+    )
+    renew = RenewLeases(tenant_id="t", now_ms=1, expiry_ms=2, lease_ids=[])
+    assert wire(renew) == (renew.keys(), renew.argv())  # not a tenant call: no prelude
 
 
 async def test_run_sends_the_named_arguments_to_their_script() -> None:
     redis = fakeredis.FakeAsyncRedis(decode_responses=True)
     scripts = Scripts.load(redis)
+    tenant = Tenant(id="t")
+    await redis.set(keys.tenant_record("t"), tenant.record())
     stored = await scripts.run(
         PutVector(
-            tenant_id="t", name="v", meta='{"bytes":3}', nbytes=3, count_quota=1,
-            bytes_quota=10, data="body",
+            tenant_id="t", generation=tenant.created_at, name="v", meta='{"bytes":3}', nbytes=3,
+            count_quota=1, bytes_quota=10, data="body",
         )
     )  # fmt: skip
     assert [int(stored[0]), stored[1]] == [0, ""]
     assert await redis.hget(keys.vector_data("t"), "v") == "body"
-    assert int(await scripts.run(DropVector(tenant_id="t", name="v"))) == 1
+    drop = DropVector(tenant_id="t", generation=tenant.created_at, name="v")
+    assert int(await scripts.run(drop)) == 1
     assert await redis.hlen(keys.vectors("t")) == 0

@@ -44,6 +44,7 @@
 -- client resend after a lost reply), or was cancelled (a tombstone: score -expiry, left
 -- by settle_request.lua for an admission whose client timed out): either way it is
 -- answered as admitted and nothing is written or charged.
+-- Behind prelude/tenant_generation.lua: refused, with nothing written, for a deleted tenant.
 
 local PERIOD = 60000
 local deadline = tonumber(ARGV[16])

@@ -3,6 +3,7 @@
 -- KEYS[4] latch specs HASH
 -- ARGV: conversation ids (client form)
 -- Returns the number of latches that existed and were removed.
+-- Behind prelude/tenant_generation.lua: refused, with nothing written, for a deleted tenant.
 local removed = 0
 for _, conv in ipairs(ARGV) do
   local info = redis.call("HGET", KEYS[2], conv)

@@ -5,6 +5,7 @@
 -- ARGV[1] conversation id (client form)   ARGV[2] info "bytes:kind:digest"   ARGV[3] spec
 -- Returns 0 when recorded; 1 when the conversation is no longer in the ledger (the
 -- tenant's quota evicted it while the turn ran): the caller drops it on the engine.
+-- Behind prelude/tenant_generation.lua: refused, with nothing written, for a deleted tenant.
 local cur = redis.call("HGET", KEYS[2], ARGV[1])
 if not cur then return 1 end
 local function bytes_of(info) return tonumber(string.match(info, "^(%d+)") or "0") end

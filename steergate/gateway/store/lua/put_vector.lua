@@ -5,6 +5,7 @@
 -- ARGV[4] vector_count quota   ARGV[5] vector_bytes quota   ARGV[6] data
 -- Returns {status, previous JSON metadata or ""}: status 0 stored, 1 over quota
 -- (nothing written).
+-- Behind prelude/tenant_generation.lua: refused, with nothing written, for a deleted tenant.
 local prev = redis.call("HGET", KEYS[1], ARGV[1]) or ""
 local count, total = 0, 0
 for _, meta in ipairs(redis.call("HVALS", KEYS[1])) do

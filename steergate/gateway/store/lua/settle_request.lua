@@ -30,6 +30,7 @@
 -- the token correction apply only while the request's lease is still held (the first
 -- run releases it, from KEYS[3] or KEYS[15]). The latch actions converge to the same
 -- state when repeated.
+-- Behind prelude/tenant_generation.lua: refused, with nothing written, for a deleted tenant.
 
 local now = tonumber(ARGV[1])
 local score = redis.call("ZSCORE", KEYS[3], ARGV[2])
