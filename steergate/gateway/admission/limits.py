@@ -38,6 +38,9 @@ LATE = 5
 #: Added to the Redis timeout for the deadline. An admission that runs inside the slack
 #: after its client gave up is released by its cancellation (``Settler.cancel``).
 DEADLINE_SLACK_S = 0.5
+#: A lease id ``<random>~<tokens>`` holds that many tokens of the tenant's token budget
+#: until the lease leaves (settled or expired): what the scripts match (``~(%d+)$``).
+HELD_MARK = "~"
 
 
 def period_left_ms(now_ms: int, period: str) -> int:
@@ -161,8 +164,12 @@ class Limiter:
         key_conc = (api_key.limits.max_concurrency or 0) if api_key else 0
         budget = lim.token_budget
         now_ms = int(time.time() * 1000)
-        lease_id = self.new_lease_id()
         cost = min(tokens, lim.tpm)
+        lease_id = self.new_lease_id()
+        if budget is not None and cost > 0:
+            # Its reservation counts against the budget until it settles: the id says how
+            # much, for every script that releases it (admit_request.lua, KEYS[16]).
+            lease_id = f"{lease_id}{HELD_MARK}{cost}"
         expiry_ms = now_ms + self.lease_ttl_ms
         deadline = (
             self.settler.leases.deadline(now_ms, self.deadline_s)

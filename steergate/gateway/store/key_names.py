@@ -118,6 +118,13 @@ def leases_done(tenant_id: str) -> str:
     return _t(tenant_id, "leases:done")
 
 
+def budget_held(tenant_id: str) -> str:
+    """String: Σ tokens reserved by the tenant's admitted requests that count against its
+    token budget and have not settled (their lease ids end in ``~<tokens>``,
+    ``steergate/gateway/admission/limits.py``). Lives exactly as long as :func:`leases`."""
+    return _t(tenant_id, "budget:held")
+
+
 def key_leases(tenant_id: str, key_id: str) -> str:
     """ZSET lease_id -> expiry ms: one API key's in-flight requests (per-key
     ``max_concurrency``)."""
@@ -194,6 +201,7 @@ def admit_keys(tenant_id: str, minute: int, key_id: str = "") -> tuple[str, ...]
         key_gcra(tenant_id, key_id),
         key_leases(tenant_id, key_id),
         leases_done(tenant_id),
+        budget_held(tenant_id),
     )
 
 
@@ -222,6 +230,7 @@ def all_tenant_keys(tenant_id: str, now_minute: int) -> list[str]:
         gcra_tokens(tenant_id),
         leases(tenant_id),
         leases_done(tenant_id),
+        budget_held(tenant_id),
         usage_total(tenant_id),
         latches(tenant_id),
         latch_info(tenant_id),

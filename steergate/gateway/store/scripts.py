@@ -272,7 +272,13 @@ class RenewLeases:
 
     def keys(self) -> Sequence[str]:
         t = self.tenant_id
-        return [key_names.leases(t), key_names.latches(t), key_names.latch_info(t)]
+        return [
+            key_names.leases(t),
+            key_names.latches(t),
+            key_names.latch_info(t),
+            key_names.leases_done(t),
+            key_names.budget_held(t),
+        ]
 
     def argv(self) -> list[Any]:
         return [self.now_ms, self.expiry_ms, len(self.lease_ids), *self.lease_ids, *self.storing]

@@ -138,6 +138,106 @@ async def test_token_budget_refuses_until_the_period_rolls_over(redis_url: str) 
         await client.aclose()
 
 
+async def _admit_tokens(limiter: Limiter, tenant: Any, tokens: int) -> Any:
+    """An inference admission reserving ``tokens``: the admission, or the refusal's code."""
+    try:
+        return await limiter.admit(
+            tenant, tokens=tokens, conversation_id=None, latch=False, latch_bytes=0,
+            latch_kind="ref", api_key=api_key("k1"),
+        )  # fmt: skip
+    except APIError as exc:
+        return exc.code
+
+
+async def test_a_burst_cannot_overshoot_the_token_budget_by_the_requests_in_flight(
+    redis_url: str,
+) -> None:
+    """40 admissions at once through two replicas, 30 tokens reserved each, a budget of
+    100: the reservations of the running ones count, so 4 pass (0, 30, 60 and 90 held
+    before each), not all 40. They used to: only settled tokens were compared."""
+    clients, (a, b), store = await _replicas(redis_url)
+    settler = Settler(clients[0], Scripts.load(clients[0]))
+    try:
+        tenant = await store.create(
+            "acme",
+            limits={
+                "rpm": 10_000, "tpm": 100_000, "max_concurrency": 1000,
+                "token_budget": {"tokens": 100, "period": "day"},
+            },
+        )  # fmt: skip
+        got = await asyncio.gather(*(_admit_tokens((a, b)[i % 2], tenant, 30) for i in range(40)))
+        admitted = [g for g in got if not isinstance(g, str)]
+        assert len(admitted) == 4 and got.count("budget_exceeded") == 36, got
+        assert int(await clients[0].get(keys.budget_held("acme"))) == 120
+        # Settled at what they used (10 each): the budget has 60 left, nothing is held.
+        await settler._settle([Outcome(adm, 200, 10, None, prompt_tokens=5) for adm in admitted])
+        assert await clients[0].get(keys.budget_held("acme")) is None
+        again = await asyncio.gather(*(_admit_tokens(a, tenant, 30) for _ in range(5)))
+        assert sum(not isinstance(g, str) for g in again) == 2  # 40 spent: 40 + 0, 40 + 30
+        # A tenant without a budget holds nothing.
+        free = await store.create("free", limits={"rpm": 10_000, "max_concurrency": 1000})
+        assert not isinstance(await _admit_tokens(a, free, 30), str)
+        assert await clients[0].exists(keys.budget_held("free")) == 0
+    finally:
+        for c in clients:
+            await c.aclose()
+
+
+async def test_tokens_held_by_a_request_whose_settlement_is_lost_come_back_when_it_expires(
+    redis_url: str,
+) -> None:
+    """A gateway that dies mid-request never settles: its lease expires after one TTL,
+    and the next admission gives its reservation back to the budget."""
+    client = connect(redis_url, 2.0)
+    try:
+        limiter = Limiter(Scripts.load(client), lease_ttl_s=2)  # no settler: no heartbeat
+        tenant = await TenantStore(client, "pepper").create(
+            "acme",
+            limits={"rpm": 10_000, "token_budget": {"tokens": 100, "period": "day"}},
+        )
+        lost = await _admit_tokens(limiter, tenant, 100)
+        assert not isinstance(lost, str)
+        assert await _admit_tokens(limiter, tenant, 1) == "budget_exceeded"
+        await asyncio.sleep(2.3)
+        assert not isinstance(await _admit_tokens(limiter, tenant, 1), str)
+        assert int(await client.get(keys.budget_held("acme"))) == 1
+        assert 0 < await client.pttl(keys.budget_held("acme")) <= 3_000  # lives with its leases
+    finally:
+        await client.aclose()
+
+
+async def test_the_heartbeat_gives_back_tokens_of_a_finished_request_never_settled(
+    redis_url: str,
+) -> None:
+    """A finished request's lease waits in the finished set for its settlement; if that
+    is lost, the lease expires there. With no admission coming, the heartbeat of the
+    tenant's running requests (renew_leases.lua) sweeps it and gives its tokens back."""
+    client = connect(redis_url, 2.0)
+    try:
+        scripts = Scripts.load(client)
+        settler = Settler(client, scripts, lease_ttl_s=2)
+        limiter = Limiter(scripts, lease_ttl_s=2, settler=settler)
+        tenant = await TenantStore(client, "pepper").create(
+            "acme",
+            limits={"rpm": 10_000, "token_budget": {"tokens": 100, "period": "day"}},
+        )
+        lost, running = [await _admit_tokens(limiter, tenant, n) for n in (50, 10)]
+        settler.leases.release(lost)  # its answer ended; its settlement never comes
+        settler.leases.finish(lost)
+        await _admit_tokens(limiter, tenant, 1)  # moves it to the finished set
+        assert await client.zscore(keys.leases_done("acme"), lost.lease_id) is not None
+        assert int(await client.get(keys.budget_held("acme"))) == 61
+        await asyncio.sleep(1.0)
+        await settler.leases.renew()  # the running ones stay
+        await asyncio.sleep(1.3)  # the lost lease has expired; no admission since
+        await settler.leases.renew()
+        assert int(await client.get(keys.budget_held("acme"))) == 11
+        assert await client.zscore(keys.leases_done("acme"), lost.lease_id) is None
+        assert await client.zscore(keys.leases("acme"), running.lease_id) is not None
+    finally:
+        await client.aclose()
+
+
 def test_period_left_rolls_at_utc_midnight_and_month_start() -> None:
     # 2026-12-31 23:59:00 UTC
     now = 1798761540 * 1000

@@ -108,7 +108,13 @@ def test_settle_request_puts_each_named_field_at_its_argv_position() -> None:
 
 def test_the_small_builders_follow_their_headers() -> None:
     renew = RenewLeases(tenant_id="t", now_ms=1, expiry_ms=2, lease_ids=["x", "y"], storing=["c"])
-    assert renew.keys() == [keys.leases("t"), keys.latches("t"), keys.latch_info("t")]
+    assert renew.keys() == [
+        keys.leases("t"),
+        keys.latches("t"),
+        keys.latch_info("t"),
+        keys.leases_done("t"),
+        keys.budget_held("t"),
+    ]
     assert renew.argv() == [1, 2, 2, "x", "y", "c"]
     keep = KeepLatch(tenant_id="t", generation=1.5, conversation_id="c", info="3:value:d", spec="s")
     assert (keep.keys(), keep.argv()) == (keys.latch_keys("t"), ["c", "3:value:d", "s"])

@@ -28,6 +28,12 @@
 -- KEYS[11] usage day (rollup hash)   KEYS[12] usage month (rollup hash)
 -- KEYS[13] the key's own GCRA (TAT ms)   KEYS[14] the key's leases (ZSET id -> admit ms)
 -- KEYS[15] finished leases (ZSET id -> expiry ms): released, settlement not yet run
+-- KEYS[16] budget held (STRING Σ tokens): the reservations of admitted, unsettled requests
+--          that count against the token budget. Such a request's lease id ends in
+--          "~<tokens>" (the gateway adds it when the tenant has a budget); its tokens
+--          leave the sum when its lease leaves KEYS[3] and KEYS[15], however it leaves
+--          (settlement, or expiry swept here or by renew_leases.lua). The sum lives as
+--          long as KEYS[3], so it vanishes with the leases it counts.
 -- ARGV[26+N] number of finished lease ids M   ARGV[27+N..26+N+M] lease ids of this
 --          tenant's requests whose answers ended on this gateway, settlement not yet
 --          applied: released here, before concurrency is counted, whatever the decision
@@ -58,11 +64,26 @@ if deadline > 0 then
 end
 local now = tonumber(ARGV[1])
 
+-- A budget-counted lease (id "...~<tokens>") that leaves the lease sets without its
+-- settlement (it expired): its tokens are no longer held.
+local function unhold(id)
+  local n = tonumber(string.match(id, "~(%d+)$") or "0")
+  if n > 0 and redis.call("DECRBY", KEYS[16], n) <= 0 then redis.call("DEL", KEYS[16]) end
+end
+local holding = redis.call("EXISTS", KEYS[16]) == 1
+local function sweep_expired(key, min, now_ms)
+  if holding then
+    for _, id in ipairs(redis.call("ZRANGEBYSCORE", key, min, now_ms)) do unhold(id) end
+  end
+  redis.call("ZREMRANGEBYSCORE", key, min, now_ms)
+end
+
 -- Finished requests stop counting now, not when their batched settlement lands (which
 -- under load comes about one request-duration later). Their ids move to KEYS[15] with
 -- their expiry, so a settlement lost with its gateway is swept there by TTL too.
 local n_vec = tonumber(ARGV[25] or "0")
 local n_done = tonumber(ARGV[26 + n_vec] or "0")
+local lease_ttl = tonumber(ARGV[7]) - now
 if n_done > 0 then
   local latest = 0
   for i = 27 + n_vec, 26 + n_vec + n_done do
@@ -73,11 +94,15 @@ if n_done > 0 then
       if tonumber(score) > latest then latest = tonumber(score) end
     end
   end
-  redis.call("ZREMRANGEBYSCORE", KEYS[15], "-inf", now)
-  if latest > 0 and redis.call("PTTL", KEYS[15]) < latest - now + 1000 then
-    redis.call("PEXPIRE", KEYS[15], latest - now + 1000)
+  -- While budget tokens are held, kept two lease TTLs past the latest expiry (a
+  -- heartbeat, every sixth of one, sweeps it meanwhile): an entry must be swept, not
+  -- forgotten, for its held tokens to go. Else a second past it.
+  local keep = latest - now + (holding and 2 * lease_ttl or 1000)
+  if latest > 0 and redis.call("PTTL", KEYS[15]) < keep then
+    redis.call("PEXPIRE", KEYS[15], keep)
   end
 end
+if n_done > 0 or holding then sweep_expired(KEYS[15], "-inf", now) end
 local rpm, tpm, cost = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local conv, want_latch = ARGV[8], ARGV[9] == "1"
 
@@ -130,18 +155,21 @@ if redis.call("ZSCORE", KEYS[3], ARGV[6]) then
 end
 
 -- 1. Concurrency: expired leases (crashed gateways) and tombstones are swept first.
-redis.call("ZREMRANGEBYSCORE", KEYS[3], "(" .. -now, now)
+sweep_expired(KEYS[3], 0, now)
+redis.call("ZREMRANGEBYSCORE", KEYS[3], "(" .. -now, 0)
 local inflight = redis.call("ZCOUNT", KEYS[3], 0, "+inf")
 
 -- 2. Rates (computed before any write, so a rejection leaves no trace in them).
 local r_ok, r_retry, r_rem, r_reset, r_tat = gcra(KEYS[1], rpm, 1)
 local t_ok, t_retry, t_rem, t_reset, t_tat = gcra(KEYS[2], tpm, cost)
 
--- The token budget: spent tokens of this UTC day or month (settled requests).
+-- The token budget: spent tokens of this UTC day or month (settled requests), and the
+-- reservations of the requests still running: a burst cannot pass it all at once.
 local budget = tonumber(ARGV[21])
 if budget > 0 then
   local rollup = ARGV[22] == "month" and KEYS[12] or KEYS[11]
-  if tonumber(redis.call("HGET", rollup, "tokens") or "0") >= budget then
+  local spent = tonumber(redis.call("HGET", rollup, "tokens") or "0")
+  if spent + tonumber(redis.call("GET", KEYS[16]) or "0") >= budget then
     return reject(6, tonumber(ARGV[23]), r_rem, r_reset, t_rem, t_reset)
   end
 end
@@ -218,8 +246,13 @@ redis.call("SET", KEYS[1], r_tat, "PX", math.ceil(r_tat - now) + 1000)
 redis.call("SET", KEYS[2], t_tat, "PX", math.ceil(t_tat - now) + 1000)
 redis.call("ZADD", KEYS[3], tonumber(ARGV[7]), ARGV[6])
 -- Only ever lengthened: a gateway with a shorter lease TTL must not cut others' leases.
-local leases_ttl = tonumber(ARGV[7]) - now + 1000
+local leases_ttl = lease_ttl + 1000
 if redis.call("PTTL", KEYS[3]) < leases_ttl then redis.call("PEXPIRE", KEYS[3], leases_ttl) end
+local hold = tonumber(string.match(ARGV[6], "~(%d+)$") or "0")
+if hold > 0 then redis.call("INCRBY", KEYS[16], hold) end
+if hold > 0 or redis.call("EXISTS", KEYS[16]) == 1 then
+  redis.call("PEXPIRE", KEYS[16], redis.call("PTTL", KEYS[3]))
+end
 redis.call("HINCRBY", KEYS[4], "requests", 1)
 redis.call("EXPIRE", KEYS[4], tonumber(ARGV[15]))
 redis.call("HINCRBY", KEYS[5], "requests", 1)

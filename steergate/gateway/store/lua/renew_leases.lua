@@ -5,10 +5,14 @@
 --
 -- KEYS[1] leases (ZSET id -> expiry ms)   KEYS[2] latches (ZSET conv -> last use ms)
 -- KEYS[3] latch info (HASH conv -> "bytes:kind[:digest]")
+-- KEYS[4] finished leases (ZSET id -> expiry ms)   KEYS[5] budget held (STRING Σ tokens)
 -- ARGV[1] now ms   ARGV[2] new expiry ms   ARGV[3] number of lease ids N
 -- ARGV[4..3+N] lease ids   ARGV[4+N..] conversations whose latch a live request is storing
 -- Returns, per lease id, 1 if renewed, 0 if it is no longer held (expired and swept, or
 -- released): a lease is never brought back, so a late heartbeat cannot resurrect one.
+-- While a token budget holds reservations (admit_request.lua, KEYS[16]), the heartbeat
+-- also sweeps expired finished leases (settlements lost with their gateway) so their
+-- tokens go even when no admission comes, and keeps the sum alive as long as KEYS[1].
 
 local now, expiry, n = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local out = {}
@@ -24,6 +28,15 @@ end
 local ttl = expiry - now + 1000
 if redis.call("PTTL", KEYS[1]) < ttl and redis.call("EXISTS", KEYS[1]) == 1 then
   redis.call("PEXPIRE", KEYS[1], ttl)
+end
+if redis.call("EXISTS", KEYS[5]) == 1 then
+  for _, id in ipairs(redis.call("ZRANGEBYSCORE", KEYS[4], "-inf", now)) do
+    local held = tonumber(string.match(id, "~(%d+)$") or "0")
+    if held > 0 and redis.call("DECRBY", KEYS[5], held) <= 0 then redis.call("DEL", KEYS[5]) end
+  end
+  redis.call("ZREMRANGEBYSCORE", KEYS[4], "-inf", now)
+  local left = redis.call("PTTL", KEYS[1])
+  if left > 0 then redis.call("PEXPIRE", KEYS[5], left) end
 end
 -- A latch still being stored (no digest yet) is in use: keep it out of admission's
 -- "abandoned" reclaim (admit_request.lua, ARGV[17]).

@@ -22,6 +22,7 @@
 -- k:<key_id>:<field>); the key's lease is released with the tenant's.
 -- KEYS[15] finished leases: a lease an admission already released (admit_request.lua,
 -- ARGV[26+N..]) is found there, not in KEYS[3]; it is still this settlement's to charge.
+-- KEYS[16] budget held: a settled lease whose id ends in "~<tokens>" no longer holds them.
 -- Returns 1 when action was "keep" but the latch is no longer ours in Redis (it was
 -- evicted while the request ran). Nothing needs doing about it: an engine never bridges
 -- a latch Redis does not expect, and the engine sync deletes its copy. Else 0.
@@ -38,6 +39,8 @@ local held = score and tonumber(score) > 0
 if held then redis.call("ZREM", KEYS[3], ARGV[2]) end
 if redis.call("ZREM", KEYS[15], ARGV[2]) == 1 then held = true end
 redis.call("ZREM", KEYS[14], ARGV[2])
+local hold = held and tonumber(string.match(ARGV[2], "~(%d+)$") or "0") or 0
+if hold > 0 and redis.call("DECRBY", KEYS[16], hold) <= 0 then redis.call("DEL", KEYS[16]) end
 local cancel = tonumber(ARGV[11] or "0")
 if cancel > 0 and not held and cancel > now then
   redis.call("ZADD", KEYS[3], -cancel, ARGV[2])
