@@ -193,6 +193,9 @@ def create_app(
         openapi_url=None,
         docs_url=None,
         redoc_url=None,
+        # Paths are exact (as OpenAI's): Starlette would answer a trailing slash with a
+        # redirect to the Host header's origin, wherever the request claimed to go.
+        redirect_slashes=False,
         middleware=middleware(settings, metrics),
     )
     app.state.metrics = metrics

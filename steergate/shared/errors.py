@@ -96,9 +96,9 @@ _CODES = (
     _e("invalid_json", 400, _N, _BOTH,
        "the body is not JSON, not a JSON object, or nests arrays/objects more than 64 levels"),
     _e("invalid_conversation_id", 400, _N, _BOTH,
-       "`conversation_id` is not 1–256 characters of `[A-Za-z0-9._:@-]`"),
+       "`conversation_id` is not 1–256 characters of `[A-Za-z0-9._:@-]`, or is `.` or `..`"),
     _e("invalid_vector_name", 400, _N, _BOTH, "a vector name is not 1–64 characters of "
-       "`[A-Za-z0-9._-]`"),
+       "`[A-Za-z0-9._-]`, or is `.` or `..`"),
     _e("invalid_tenant_id", 400, _N, _GW, "a tenant id is not 1–32 characters of `[a-z0-9-]`"),
     _e("invalid_gguf", 400, _N, _BOTH,
        "an `application/octet-stream` vector upload is not a readable GGUF control vector"),
@@ -129,8 +129,8 @@ _CODES = (
     _e("permission_denied", 403, _N, _GW,
        "a tenant key on an `/admin/*` route, `/metrics` or `/openapi.json`; a `viewer` admin "
        "key on anything but a GET"),
-    _e("not_found", 404, _N, _BOTH, "no such route (`Invalid URL (METHOD /path)`), or a "
-       "dashboard file that does not exist"),
+    _e("not_found", 404, _N, _BOTH, "no such route (`Invalid URL (METHOD /path)`; paths "
+       "are exact: a trailing slash is not redirected), or a dashboard file that does not exist"),
     _e("model_not_found", 404, _N, _BOTH, "`model` (or `GET /v1/models/{id}`) names a model the "
        "engines do not serve"),
     _e("tenant_not_found", 404, _N, _GW, "no tenant with this id"),

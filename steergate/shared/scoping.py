@@ -25,31 +25,47 @@ VECTOR_NAME_RE = re.compile(r"\A[A-Za-z0-9._-]{1,64}\Z")
 # What the engine accepts: the client forms above, optionally behind one tenant scope.
 ENGINE_CONVERSATION_ID_RE = re.compile(r"\A(?:[a-z0-9-]{1,32}~)?[A-Za-z0-9._:@-]{1,256}\Z")
 ENGINE_VECTOR_NAME_RE = re.compile(r"\A(?:[a-z0-9-]{1,32}~)?[A-Za-z0-9._-]{1,64}\Z")
+#: Path segments with a meaning of their own: a client's HTTP library resolves
+#: ``/v1/steering/vectors/..`` to ``/v1/steering/``, so a vector or conversation of that
+#: name could be made (in a body) but never read or deleted. Not ids.
+DOT_SEGMENTS = frozenset({".", ".."})
 
 
 def is_engine_conversation_id(value: object) -> bool:
-    return isinstance(value, str) and ENGINE_CONVERSATION_ID_RE.fullmatch(value) is not None
+    return (
+        isinstance(value, str)
+        and value not in DOT_SEGMENTS
+        and ENGINE_CONVERSATION_ID_RE.fullmatch(value) is not None
+    )
 
 
 def is_engine_vector_name(value: object) -> bool:
-    return isinstance(value, str) and ENGINE_VECTOR_NAME_RE.fullmatch(value) is not None
+    return (
+        isinstance(value, str)
+        and value not in DOT_SEGMENTS
+        and ENGINE_VECTOR_NAME_RE.fullmatch(value) is not None
+    )
 
 
 def check_conversation_id(value: object, param: str = "conversation_id") -> str:
-    if not isinstance(value, str) or not CONVERSATION_ID_RE.fullmatch(value):
+    if (
+        not isinstance(value, str)
+        or value in DOT_SEGMENTS
+        or not CONVERSATION_ID_RE.fullmatch(value)
+    ):
         raise InvalidField(
             param,
-            f"'{param}' must be 1-256 characters of [A-Za-z0-9._:@-]",
+            f"'{param}' must be 1-256 characters of [A-Za-z0-9._:@-], not '.' or '..'",
             code="invalid_conversation_id",
         )
     return value
 
 
 def check_vector_name(value: object, param: str = "name") -> str:
-    if not isinstance(value, str) or not VECTOR_NAME_RE.fullmatch(value):
+    if not isinstance(value, str) or value in DOT_SEGMENTS or not VECTOR_NAME_RE.fullmatch(value):
         raise InvalidField(
             param,
-            f"'{param}' must be 1-64 characters of [A-Za-z0-9._-]",
+            f"'{param}' must be 1-64 characters of [A-Za-z0-9._-], not '.' or '..'",
             code="invalid_vector_name",
         )
     return value

@@ -21,6 +21,7 @@ from steergate.gateway.tenancy.api_keys import generate_key, looks_like_key
 from steergate.shared.errors import APIError
 from steergate.shared.scoping import (
     CONVERSATION_ID_RE,
+    DOT_SEGMENTS,
     ENGINE_CONVERSATION_ID_RE,
     ENGINE_VECTOR_NAME_RE,
     TENANT_ID_RE,
@@ -137,13 +138,28 @@ def test_the_trailing_newline_attack_is_refused_at_the_client_checks() -> None:
     assert not looks_like_key(generate_key() + "\n")
 
 
+def test_dot_segments_are_no_names_for_the_client_or_the_engine() -> None:
+    """ "." and ".." match the character classes but are path segments: a URL cannot
+    name them (clients resolve them), so they are refused everywhere an id is checked."""
+    for value in DOT_SEGMENTS:
+        for check in (check_conversation_id, check_vector_name):
+            with pytest.raises(APIError) as info:
+                check(value)
+            assert info.value.status == 400 and "not '.' or '..'" in info.value.message
+        assert not is_engine_conversation_id(value)
+        assert not is_engine_vector_name(value)
+    for value in ("...", ".a", "a..", "v1.2"):
+        assert check_conversation_id(value) == value and check_vector_name(value) == value
+        assert is_engine_vector_name(value) and is_engine_vector_name(scope("acme", value))
+
+
 # -- properties ---------------------------------------------------------------------
 
 TENANTS = st.from_regex(TENANT_ID_RE, fullmatch=True)
 LOCAL_IDS = st.one_of(
     st.from_regex(CONVERSATION_ID_RE, fullmatch=True).map(lambda x: ("conv", x)),
     st.from_regex(VECTOR_NAME_RE, fullmatch=True).map(lambda x: ("vector", x)),
-)
+).filter(lambda kx: kx[1] not in DOT_SEGMENTS)
 PROPERTY = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 

@@ -237,7 +237,7 @@ def _conversation_id(value: Any) -> str | None:
     if not isinstance(value, str) or not ENGINE_CONVERSATION_ID_RE.fullmatch(value):
         raise InvalidField(
             "conversation_id",
-            "'conversation_id' must be 1-256 characters of [A-Za-z0-9._:@-]",
+            "'conversation_id' must be 1-256 characters of [A-Za-z0-9._:@-], not '.' or '..'",
             code="invalid_conversation_id",
         )
     return value

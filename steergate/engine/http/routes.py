@@ -61,7 +61,7 @@ def build_router(ref: RuntimeRef) -> APIRouter:
         if not ENGINE_CONVERSATION_ID_RE.fullmatch(conversation_id):
             raise InvalidField(
                 "conversation_id",
-                "'conversation_id' must be 1-256 characters of [A-Za-z0-9._:@-]",
+                "'conversation_id' must be 1-256 characters of [A-Za-z0-9._:@-], not '.' or '..'",
                 code="invalid_conversation_id",
             )
         if not ref.get().controller.delete(conversation_id):
@@ -110,7 +110,9 @@ def build_router(ref: RuntimeRef) -> APIRouter:
 def _vector_name(name: str) -> str:
     if not ENGINE_VECTOR_NAME_RE.fullmatch(name):
         raise InvalidField(
-            "name", "'name' must be 1-64 characters of [A-Za-z0-9._-]", code="invalid_vector_name"
+            "name",
+            "'name' must be 1-64 characters of [A-Za-z0-9._-], not '.' or '..'",
+            code="invalid_vector_name",
         )
     return name
 

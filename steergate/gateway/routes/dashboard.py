@@ -49,6 +49,13 @@ async def dashboard_page() -> Response:
     return _static("dashboard.html")
 
 
+@router.get("/dashboard/")
+async def dashboard_slash() -> Response:
+    """The one path a person types with a slash: sent to the page by path alone (the
+    app redirects no other trailing slash, and never to the Host header's origin)."""
+    return Response(status_code=308, headers={"location": "/dashboard", **SECURITY_HEADERS})
+
+
 @router.get("/dashboard/{name}")
 async def dashboard_asset(name: str) -> Response:
     return _static(name)

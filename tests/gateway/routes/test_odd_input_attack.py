@@ -75,6 +75,52 @@ def test_trailing_newline_ids_are_refused_and_never_reach_the_engine(
     nothing_reached(fake_engine)
 
 
+def test_dot_segment_names_are_refused_where_a_url_could_never_name_them(
+    gateway: ServerThread, redis_url: str, fake_engine: FakeEngine
+) -> None:
+    """A vector or conversation named "." or ".." could be made (by its name in a body or
+    an encoded path) but never read or deleted: HTTP clients resolve the dot segment of
+    /v1/steering/vectors/.. before sending it. Both are 400 naming the field."""
+    h = auth(make_tenant(redis_url, "acme"))
+    for conv in (".", ".."):
+        body = chat(conversation_id=conv, steering={**inline(), "latch": True})
+        r = httpx.post(gateway.url + CHAT, headers=h, json=body)
+        assert error(r)["code"] == "invalid_conversation_id", conv
+        r = httpx.delete(
+            gateway.url + "/v1/steering/latches/" + conv.replace(".", "%2E"), headers=h
+        )
+        assert error(r)["code"] == "invalid_conversation_id", conv
+    vector = {"hook": "post_block", "layers": {"1": [0.5] * HIDDEN}}
+    for name in ("%2E", "%2E%2E"):
+        r = httpx.put(gateway.url + "/v1/steering/vectors/" + name, headers=h, json=vector)
+        err = error(r)
+        assert (err["code"], err["param"]) == ("invalid_vector_name", "name"), name
+    steering = {"vectors": [{"name": "..", "scale": 2}]}
+    err = error(httpx.post(gateway.url + CHAT, headers=h, json=chat(steering=steering)))
+    assert (err["code"], err["param"]) == ("invalid_vector_name", "steering.vectors[0].name")
+    # Names that only contain dots among other characters stay valid.
+    assert httpx.put(gateway.url + "/v1/steering/vectors/...", headers=h, json=vector).is_success
+    assert httpx.put(gateway.url + "/v1/steering/vectors/v1.2", headers=h, json=vector).is_success
+    assert fake_engine.state.requests == [] and fake_engine.state.latches == {}
+
+
+def test_a_trailing_slash_is_404_not_a_redirect_to_the_host_header(
+    gateway: ServerThread, redis_url: str
+) -> None:
+    """Starlette answered /v1/usage/ with a 307 to http://<Host header>/v1/models: a
+    redirect to wherever the request said it was sent. Paths are exact, as OpenAI's are."""
+    h = {**auth(make_tenant(redis_url, "acme")), "Host": "evil.example"}
+    for method, path in (("POST", CHAT + "/"), ("GET", "/v1/usage/"), ("GET", "/healthz/")):
+        r = httpx.request(method, gateway.url + path, headers=h, json=chat())
+        assert "location" not in r.headers, (path, r.headers)
+        assert r.status_code == 404, (path, r.status_code)
+        assert r.json()["error"]["code"] == "not_found", r.text
+    assert httpx.get(gateway.url + "/v1/models", headers=h).status_code == 200
+    # The dashboard, the one path people type with a slash, goes to its page by path.
+    r = httpx.get(gateway.url + "/dashboard/", headers={"Host": "evil.example"})
+    assert (r.status_code, r.headers["location"]) == (308, "/dashboard")
+
+
 def test_admin_cannot_create_a_tenant_whose_id_ends_in_a_newline(
     gateway: ServerThread, fake_engine: FakeEngine
 ) -> None:
