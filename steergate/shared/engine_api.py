@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Literal
 from urllib.parse import quote
 
-from steergate.shared.scoping import ENGINE_CONVERSATION_ID_RE, ENGINE_VECTOR_NAME_RE
+from steergate.shared.scoping import is_engine_conversation_id, is_engine_vector_name
 
 # -- routes ---------------------------------------------------------------------------
 
@@ -86,12 +86,12 @@ class InvalidIdentifier(ValueError):
 
 
 def latch_path(scoped_conversation_id: str) -> str:
-    if not ENGINE_CONVERSATION_ID_RE.fullmatch(scoped_conversation_id):
+    if not is_engine_conversation_id(scoped_conversation_id):
         raise InvalidIdentifier("conversation id")
     return f"{LATCHES}/{quote(scoped_conversation_id, safe='')}"
 
 
 def vector_path(scoped_name: str) -> str:
-    if not ENGINE_VECTOR_NAME_RE.fullmatch(scoped_name):
+    if not is_engine_vector_name(scoped_name):
         raise InvalidIdentifier("vector name")
     return f"{VECTORS}/{quote(scoped_name, safe='')}"

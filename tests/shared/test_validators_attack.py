@@ -148,6 +148,10 @@ def test_dot_segments_are_no_names_for_the_client_or_the_engine() -> None:
             assert info.value.status == 400 and "not '.' or '..'" in info.value.message
         assert not is_engine_conversation_id(value)
         assert not is_engine_vector_name(value)
+        # the engine's own checks are those predicates: it refuses them too
+        for engine_check in (engine_conversation_id, engine_vector_name):
+            with pytest.raises(APIError):
+                engine_check(value)
     for value in ("...", ".a", "a..", "v1.2"):
         assert check_conversation_id(value) == value and check_vector_name(value) == value
         assert is_engine_vector_name(value) and is_engine_vector_name(scope("acme", value))

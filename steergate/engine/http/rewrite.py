@@ -44,7 +44,7 @@ from steergate.shared.asgi import (
 from steergate.shared.engine_api import EXPECT_FIELD
 from steergate.shared.errors import APIError, InvalidField
 from steergate.shared.latch_spec import SpecError, decode_spec
-from steergate.shared.scoping import ENGINE_CONVERSATION_ID_RE, ENGINE_VECTOR_NAME_RE
+from steergate.shared.scoping import is_engine_conversation_id, is_engine_vector_name
 from steergate.shared.steering import ModelShape, parse_steering
 
 LATCH_HEADER = engine_api.LATCH_HEADER.encode()
@@ -170,8 +170,7 @@ def parse_expect(value: Any, shape: ModelShape) -> Expect | None:
         raise InvalidField(param, f"'{param}' must be an object of vectors, latch, restore")
     vectors = value.get("vectors") or {}
     if not isinstance(vectors, dict) or not all(
-        isinstance(k, str) and ENGINE_VECTOR_NAME_RE.fullmatch(k) and isinstance(v, str)
-        for k, v in vectors.items()
+        is_engine_vector_name(k) and isinstance(v, str) for k, v in vectors.items()
     ):
         raise InvalidField(f"{param}.vectors", f"'{param}.vectors' must map names to digests")
     latch = value.get("latch")
@@ -234,7 +233,7 @@ def _valid_salt(value: Any) -> bool:
 def _conversation_id(value: Any) -> str | None:
     if value is None:
         return None
-    if not isinstance(value, str) or not ENGINE_CONVERSATION_ID_RE.fullmatch(value):
+    if not is_engine_conversation_id(value):
         raise InvalidField(
             "conversation_id",
             "'conversation_id' must be 1-256 characters of [A-Za-z0-9._:@-], not '.' or '..'",

@@ -19,7 +19,7 @@ from steergate.shared import engine_api
 from steergate.shared.codecs import CodecError
 from steergate.shared.errors import APIError, InvalidField, render
 from steergate.shared.gguf import decode_gguf_off_loop
-from steergate.shared.scoping import ENGINE_CONVERSATION_ID_RE, ENGINE_VECTOR_NAME_RE
+from steergate.shared.scoping import is_engine_conversation_id, is_engine_vector_name
 from steergate.shared.steering import check_vectors, parse_vector_body
 
 Handler = Callable[..., Awaitable[Response]]
@@ -58,7 +58,7 @@ def build_router(ref: RuntimeRef) -> APIRouter:
     @router.delete(engine_api.LATCHES + "/{conversation_id}")
     @_openai_errors
     async def delete_latch(conversation_id: str) -> Response:
-        if not ENGINE_CONVERSATION_ID_RE.fullmatch(conversation_id):
+        if not is_engine_conversation_id(conversation_id):
             raise InvalidField(
                 "conversation_id",
                 "'conversation_id' must be 1-256 characters of [A-Za-z0-9._:@-], not '.' or '..'",
@@ -108,7 +108,7 @@ def build_router(ref: RuntimeRef) -> APIRouter:
 
 
 def _vector_name(name: str) -> str:
-    if not ENGINE_VECTOR_NAME_RE.fullmatch(name):
+    if not is_engine_vector_name(name):
         raise InvalidField(
             "name",
             "'name' must be 1-64 characters of [A-Za-z0-9._-], not '.' or '..'",
