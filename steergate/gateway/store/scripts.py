@@ -15,6 +15,10 @@ generation (``Tenant.created_at``) as the request authenticated it, and runs beh
 ``lua/prelude/tenant_generation.lua``, which refuses it (:class:`TenantGone`, nothing
 written) once that tenant is deleted, even if a tenant of the same id exists again.
 
+A script may also name *preludes* (``lua/prelude/``): Lua put before its own text, so
+a rule that several scripts apply is written once. ``budget_hold.lua`` is the one rule of
+a token budget's held sum, for every script that adds or removes leases.
+
 ``tests/gateway/store/test_scripts.py`` pins each builder's order and checks that every
 ``.lua`` file has exactly one builder.
 """
@@ -35,7 +39,10 @@ from steergate.shared.errors import APIError
 
 LUA_DIR = Path(__file__).resolve().parent / "lua"
 #: Put before every :class:`TenantCall`'s script: the tenant generation check.
-PRELUDE = "prelude/tenant_generation"
+TENANT_GENERATION = "prelude/tenant_generation"
+#: The token budget's held sum (``held_by``, ``release_held``, ``sweep_leases``): named
+#: in ``preludes`` by every script that adds or removes leases.
+BUDGET_HOLD = "prelude/budget_hold"
 #: The error a refused :class:`TenantCall` answers (the prelude's ``error_reply``).
 TENANT_GONE = "TENANT_GONE"
 
@@ -47,7 +54,9 @@ def lua_source(name: str) -> str:
 
 
 class LuaCall(Protocol):
-    """One call of one script: which, and its KEYS and ARGV in the script's order."""
+    """One call of one script: which, and its KEYS and ARGV in the script's order. A
+    builder may name ``preludes: ClassVar[tuple[str, ...]]``, put before its script
+    (:func:`script_text`)."""
 
     script: ClassVar[str]
 
@@ -154,6 +163,7 @@ class AdmitRequest(TenantCall):
     """admit_request.lua: the whole admission decision of one request."""
 
     script: ClassVar[str] = "admit_request"
+    preludes: ClassVar[tuple[str, ...]] = (BUDGET_HOLD,)
     now_ms: int
     #: The tenant's limits: rpm, tpm, concurrency, latch quota and policy, token budget.
     limits: AdmissionLimits
@@ -219,6 +229,7 @@ class SettleRequest(TenantCall):
     """settle_request.lua: account one finished (or cancelled) request."""
 
     script: ClassVar[str] = "settle_request"
+    preludes: ClassVar[tuple[str, ...]] = (BUDGET_HOLD,)
     now_ms: int
     lease_id: str
     tpm: int
@@ -263,6 +274,7 @@ class RenewLeases:
     """renew_leases.lua: the heartbeat of one tenant's running requests."""
 
     script: ClassVar[str] = "renew_leases"
+    preludes: ClassVar[tuple[str, ...]] = (BUDGET_HOLD,)
     tenant_id: str
     now_ms: int
     expiry_ms: int
@@ -461,10 +473,12 @@ class Scripts:
 
 
 def script_text(call: type[LuaCall]) -> str:
-    """What is loaded for ``call``: its ``.lua`` file, behind the prelude for a
-    :class:`TenantCall`."""
-    body = lua_source(call.script)
-    return f"{lua_source(PRELUDE)}\n{body}" if issubclass(call, TenantCall) else body
+    """What is loaded for ``call``: its ``.lua`` file, behind its ``preludes``, and for a
+    :class:`TenantCall` behind the tenant generation check first (it takes its KEYS and
+    ARGV off before anything else reads them)."""
+    guard = (TENANT_GENERATION,) if issubclass(call, TenantCall) else ()
+    parts = (*guard, *getattr(call, "preludes", ()), call.script)
+    return "\n".join(lua_source(name) for name in parts)
 
 
 async def evalsha(script: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:

@@ -4,14 +4,17 @@ named fields land at the KEYS and ARGV positions each script's header comment do
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import fakeredis
 import pytest
 
 from steergate.gateway.store import key_names as keys
 from steergate.gateway.store.scripts import (
+    BUDGET_HOLD,
     CALLS,
     LUA_DIR,
+    TENANT_GENERATION,
     AddKey,
     AdmitRequest,
     CasKey,
@@ -24,6 +27,9 @@ from steergate.gateway.store.scripts import (
     Scripts,
     SettleRequest,
     TakeKey,
+    TenantCall,
+    lua_source,
+    script_text,
     wire,
 )
 from steergate.gateway.tenancy.records import Limits, Tenant
@@ -167,3 +173,27 @@ async def test_run_sends_the_named_arguments_to_their_script() -> None:
     drop = DropVector(tenant_id="t", generation=tenant.created_at, name="v")
     assert int(await scripts.run(drop)) == 1
     assert await redis.hlen(keys.vectors("t")) == 0
+
+
+def test_the_budget_hold_rule_is_written_once_and_every_script_using_it_loads_it() -> None:
+    """The lease id mark ``~<tokens>`` is parsed in prelude/budget_hold.lua alone; a
+    script that calls its functions names the prelude, one that does not, does not."""
+    functions = re.compile(r"\b(held_by|release_held|sweep_leases)\(")
+    for call in CALLS:
+        body = lua_source(call.script)
+        assert "~(%d+)" not in body, f"{call.script}.lua parses the hold mark itself"
+        uses = bool(functions.search(body))
+        assert (BUDGET_HOLD in getattr(call, "preludes", ())) == uses, call.script
+    assert "~(%d+)" in lua_source(BUDGET_HOLD)
+    assert {c.script for c in CALLS if BUDGET_HOLD in getattr(c, "preludes", ())} == {
+        "admit_request", "settle_request", "renew_leases",
+    }  # fmt: skip
+
+
+def test_the_tenant_generation_check_runs_first_in_every_tenant_call() -> None:
+    # It takes its KEYS and ARGV entries off before any other prelude or the script runs.
+    for call in CALLS:
+        text = script_text(call)
+        assert text.endswith(lua_source(call.script))
+        guarded = text.startswith(lua_source(TENANT_GENERATION))
+        assert guarded == issubclass(call, TenantCall), call.script

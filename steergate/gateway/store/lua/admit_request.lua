@@ -50,7 +50,8 @@
 -- client resend after a lost reply), or was cancelled (a tombstone: score -expiry, left
 -- by settle_request.lua for an admission whose client timed out): either way it is
 -- answered as admitted and nothing is written or charged.
--- Behind prelude/tenant_generation.lua: refused, with nothing written, for a deleted tenant.
+-- Behind prelude/tenant_generation.lua: refused, with nothing written, for a deleted tenant;
+-- and prelude/budget_hold.lua (held_by, sweep_leases).
 
 local PERIOD = 60000
 local deadline = tonumber(ARGV[16])
@@ -64,19 +65,7 @@ if deadline > 0 then
 end
 local now = tonumber(ARGV[1])
 
--- A budget-counted lease (id "...~<tokens>") that leaves the lease sets without its
--- settlement (it expired): its tokens are no longer held.
-local function unhold(id)
-  local n = tonumber(string.match(id, "~(%d+)$") or "0")
-  if n > 0 and redis.call("DECRBY", KEYS[16], n) <= 0 then redis.call("DEL", KEYS[16]) end
-end
 local holding = redis.call("EXISTS", KEYS[16]) == 1
-local function sweep_expired(key, min, now_ms)
-  if holding then
-    for _, id in ipairs(redis.call("ZRANGEBYSCORE", key, min, now_ms)) do unhold(id) end
-  end
-  redis.call("ZREMRANGEBYSCORE", key, min, now_ms)
-end
 
 -- Finished requests stop counting now, not when their batched settlement lands (which
 -- under load comes about one request-duration later). Their ids move to KEYS[15] with
@@ -102,7 +91,7 @@ if n_done > 0 then
     redis.call("PEXPIRE", KEYS[15], keep)
   end
 end
-if n_done > 0 or holding then sweep_expired(KEYS[15], "-inf", now) end
+if n_done > 0 or holding then sweep_leases(KEYS[15], KEYS[16], "-inf", now, holding) end
 local rpm, tpm, cost = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local conv, want_latch = ARGV[8], ARGV[9] == "1"
 
@@ -155,7 +144,7 @@ if redis.call("ZSCORE", KEYS[3], ARGV[6]) then
 end
 
 -- 1. Concurrency: expired leases (crashed gateways) and tombstones are swept first.
-sweep_expired(KEYS[3], 0, now)
+sweep_leases(KEYS[3], KEYS[16], 0, now, holding)
 redis.call("ZREMRANGEBYSCORE", KEYS[3], "(" .. -now, 0)
 local inflight = redis.call("ZCOUNT", KEYS[3], 0, "+inf")
 
@@ -248,7 +237,7 @@ redis.call("ZADD", KEYS[3], tonumber(ARGV[7]), ARGV[6])
 -- Only ever lengthened: a gateway with a shorter lease TTL must not cut others' leases.
 local leases_ttl = lease_ttl + 1000
 if redis.call("PTTL", KEYS[3]) < leases_ttl then redis.call("PEXPIRE", KEYS[3], leases_ttl) end
-local hold = tonumber(string.match(ARGV[6], "~(%d+)$") or "0")
+local hold = held_by(ARGV[6])
 if hold > 0 then redis.call("INCRBY", KEYS[16], hold) end
 if hold > 0 or redis.call("EXISTS", KEYS[16]) == 1 then
   redis.call("PEXPIRE", KEYS[16], redis.call("PTTL", KEYS[3]))

@@ -13,6 +13,7 @@
 -- While a token budget holds reservations (admit_request.lua, KEYS[16]), the heartbeat
 -- also sweeps expired finished leases (settlements lost with their gateway) so their
 -- tokens go even when no admission comes, and keeps the sum alive as long as KEYS[1].
+-- Behind prelude/budget_hold.lua (sweep_leases).
 
 local now, expiry, n = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local out = {}
@@ -30,11 +31,7 @@ if redis.call("PTTL", KEYS[1]) < ttl and redis.call("EXISTS", KEYS[1]) == 1 then
   redis.call("PEXPIRE", KEYS[1], ttl)
 end
 if redis.call("EXISTS", KEYS[5]) == 1 then
-  for _, id in ipairs(redis.call("ZRANGEBYSCORE", KEYS[4], "-inf", now)) do
-    local held = tonumber(string.match(id, "~(%d+)$") or "0")
-    if held > 0 and redis.call("DECRBY", KEYS[5], held) <= 0 then redis.call("DEL", KEYS[5]) end
-  end
-  redis.call("ZREMRANGEBYSCORE", KEYS[4], "-inf", now)
+  sweep_leases(KEYS[4], KEYS[5], "-inf", now, true)
   local left = redis.call("PTTL", KEYS[1])
   if left > 0 then redis.call("PEXPIRE", KEYS[5], left) end
 end

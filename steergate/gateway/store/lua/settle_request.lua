@@ -31,7 +31,8 @@
 -- the token correction apply only while the request's lease is still held (the first
 -- run releases it, from KEYS[3] or KEYS[15]). The latch actions converge to the same
 -- state when repeated.
--- Behind prelude/tenant_generation.lua: refused, with nothing written, for a deleted tenant.
+-- Behind prelude/tenant_generation.lua: refused, with nothing written, for a deleted tenant;
+-- and prelude/budget_hold.lua (release_held).
 
 local now = tonumber(ARGV[1])
 local score = redis.call("ZSCORE", KEYS[3], ARGV[2])
@@ -39,8 +40,7 @@ local held = score and tonumber(score) > 0
 if held then redis.call("ZREM", KEYS[3], ARGV[2]) end
 if redis.call("ZREM", KEYS[15], ARGV[2]) == 1 then held = true end
 redis.call("ZREM", KEYS[14], ARGV[2])
-local hold = held and tonumber(string.match(ARGV[2], "~(%d+)$") or "0") or 0
-if hold > 0 and redis.call("DECRBY", KEYS[16], hold) <= 0 then redis.call("DEL", KEYS[16]) end
+if held then release_held(KEYS[16], ARGV[2]) end
 local cancel = tonumber(ARGV[11] or "0")
 if cancel > 0 and not held and cancel > now then
   redis.call("ZADD", KEYS[3], -cancel, ARGV[2])
