@@ -257,7 +257,11 @@ def _install_error_handlers(app: FastAPI) -> None:
         message = str(exc.detail)
         if status == 404:  # OpenAI's words for a route that does not exist
             message = f"Invalid URL ({request.method} {request.url.path})"
-        return _respond(request, APIError(code_for_status(status), message, status=status))
+        # Starlette's own headers stay (a 405's Allow, which RFC 9110 requires).
+        headers = dict(exc.headers or {})
+        return _respond(
+            request, APIError(code_for_status(status), message, status=status, headers=headers)
+        )
 
     async def validation_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
@@ -269,11 +273,12 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def client_left(request: Request, exc: Exception) -> Response:
         # The client went away while its body was being read (or the body bound closed
         # its connection): nothing ran and nobody is listening. Not a server error.
-        log.info("client left before its request body was read on %s", request.url.path)
+        log.info("client left before its request body was read on %r", request.url.path)
         return Response(status_code=inference.CLIENT_CLOSED)
 
     async def unexpected(request: Request, exc: Exception) -> Response:
-        log.error("unhandled error on %s: %s", request.url.path, type(exc).__name__)
+        # %r: a decoded path may hold a newline (%0A), which must not start a forged log line.
+        log.error("unhandled error on %r: %s", request.url.path, type(exc).__name__)
         return _respond(request, APIError("internal_error", "Internal error."))
 
     app.add_exception_handler(APIError, api_error)

@@ -179,7 +179,7 @@ class EngineClient:
         if not engine.dirty:
             log.warning(
                 "engine %s did not take a %s (%s): routing around it until it is synced",
-                engine.url,
+                engine.shown,
                 method,
                 why,
             )

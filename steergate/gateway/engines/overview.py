@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BaseModel
 
@@ -40,18 +39,9 @@ class CapacityUse(BaseModel):
     overcommitted: bool
 
 
-def display_url(url: str) -> str:
-    """An engine URL without any ``user:password@`` part: it is shown on admin pages
-    and becomes a metric label, neither of which may carry a credential."""
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
-
-
 async def _status(engines: EngineClient, engine: Engine, timeout_s: float) -> EngineStatus:
     status = await _ask(engines, engine, timeout_s)
-    return status.model_copy(update={"url": display_url(engine.url)})
+    return status.model_copy(update={"url": engine.shown})
 
 
 async def _ask(engines: EngineClient, engine: Engine, timeout_s: float) -> EngineStatus:

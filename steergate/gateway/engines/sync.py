@@ -78,14 +78,14 @@ class EngineSync:
                     deleted += 1
                 else:
                     failed += 1
-        self.last[engine.url] = {
+        self.last[engine.shown] = {
             "vectors": len(vectors),
             "latches": len(latches),
             "deleted": deleted,
             "failed": failed,
         }
         if deleted:
-            log.info("engine %s synced: %d stale entries deleted", engine.url, deleted)
+            log.info("engine %s synced: %d stale entries deleted", engine.shown, deleted)
         if failed:
             engine.dirty = True
         elif tenant_id is None:
@@ -136,4 +136,4 @@ class EngineSync:
                 try:
                     await self.sync(engine)
                 except Exception as exc:  # background: the next round retries
-                    log.warning("engine sync of %s failed: %s", engine.url, type(exc).__name__)
+                    log.warning("engine sync of %s failed: %s", engine.shown, type(exc).__name__)

@@ -28,7 +28,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlencode, urlsplit
+from urllib.parse import urlencode, urlsplit, urlunsplit
 
 import httpx
 import orjson
@@ -48,9 +48,19 @@ class UpstreamBroken(Exception):
     """The engine connection failed after the response had started."""
 
 
+def display_url(url: str) -> str:
+    """An engine URL without any ``user:password@`` part: what logs, admin pages and
+    metric labels show, none of which may carry a credential."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
+
+
 @dataclass
 class Engine:
-    url: str
+    #: As configured, credentials included: only requests use it.
+    url: str = field(repr=False)
     healthy: bool = True
     inflight: int = 0
     info: dict[str, Any] | None = None
@@ -60,8 +70,11 @@ class Engine:
     #: ``scheme://host:port`` and the path prefix of ``url`` (engines may sit under one).
     origin: str = field(init=False, repr=False)
     base_path: str = field(init=False, repr=False)
+    #: ``url`` without its credentials (:func:`display_url`): the one to log or show.
+    shown: str = field(init=False)
 
     def __post_init__(self) -> None:
+        self.shown = display_url(self.url)
         parts = urlsplit(self.url)
         self.origin = f"{parts.scheme}://{parts.netloc}"
         self.base_path = parts.path.rstrip("/")
@@ -112,13 +125,13 @@ def _unavailable(engine: Engine, exc: Exception) -> APIError:
         return APIError("engine_timeout", "The inference engine timed out.")
     if isinstance(exc, http1.InvalidRequest):
         # Our bug, not the engine's: never mark it down for it, never show the target.
-        log.error("refused to send an ill-formed request to %s", engine.url)
+        log.error("refused to send an ill-formed request to %s", engine.shown)
         return APIError("internal_error", "Internal error.")
     if isinstance(exc, http1.PoolExhausted):
         # Busy, not down: every connection to it is in use and none freed up in time.
         return APIError("engine_overloaded", "The inference engine is busy; retry shortly.")
     if engine.healthy:
-        log.warning("engine %s unavailable (%s)", engine.url, type(exc).__name__)
+        log.warning("engine %s unavailable (%s)", engine.shown, type(exc).__name__)
     engine.healthy = False
     if isinstance(exc, http1.ConnectError):
         return EngineUnreachable("engine_unavailable", "The inference engine is unavailable.")
@@ -359,11 +372,11 @@ class EnginePool:
                 info = None
             if not isinstance(info, dict):
                 if e.healthy:
-                    log.warning("engine %s failed its info poll", e.url)
+                    log.warning("engine %s failed its info poll", e.shown)
                 e.healthy = False
                 return
             if e.info is not None and info.get("epoch") != e.epoch:
-                log.info("engine %s restarted (new epoch): its cache is empty", e.url)
+                log.info("engine %s restarted (new epoch): its cache is empty", e.shown)
                 e.dirty = True
             if not e.healthy:
                 e.dirty = True  # it may have missed writes while away

@@ -305,7 +305,7 @@ def test_admin_engines_reports_status_and_a_down_engine(start_gateway, ops: Ops)
 
 
 def test_engine_urls_are_shown_without_credentials() -> None:
-    from steergate.gateway.engines.overview import display_url
+    from steergate.gateway.engines.upstream import display_url
 
     assert display_url("http://user:secret@engine:8100") == "http://engine:8100"
     assert display_url("http://engine:8100") == "http://engine:8100"

@@ -163,6 +163,9 @@ def test_every_gateway_error_class_has_the_openai_shape_with_httpx(
         err = assert_openai_error(r, status, code)
         assert "acme~" not in err["message"]
     assert "Invalid URL (GET /v1/nope)" in cases[10][0].json()["error"]["message"]
+    # A 405 names the methods the route takes (RFC 9110 requires Allow).
+    not_allowed = next(r for r, status, _ in cases if status == 405)
+    assert not_allowed.headers["allow"] == "GET"
 
 
 def test_vllm_errors_reach_the_client_in_the_openai_shape(gateway: ServerThread, key: str) -> None:
