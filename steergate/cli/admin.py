@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 from rich.console import Console
@@ -95,6 +96,15 @@ class AdminClient:
         if response.status_code >= 400:
             raise CLIError(_describe_error(response))
         return response
+
+
+def _seg(value: str, what: str) -> str:
+    """``value`` as one path segment. An id given on the command line is put in a URL
+    path: unquoted, ``key revoke ../tenants/acme`` was sent (the client resolves dot
+    segments) as ``DELETE /admin/tenants/acme``, a tenant deleted without its prompt."""
+    if value in ("", ".", ".."):
+        raise CLIError(f"not a {what}: {value!r}", exit_code=2)
+    return quote(value, safe="")
 
 
 def _describe_error(response: httpx.Response) -> str:
@@ -328,8 +338,16 @@ def _run(
         return int(exc.code or 0)
     # Not a terminal (a pipe, a file, CI): no width to fit, so tables are never cut or
     # wrapped at rich's default of 80 columns.
-    out = Console(highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 10_000)
-    err = Console(stderr=True, highlight=False)
+    # No markup or emoji codes: every cell is the gateway's data (a tenant or key name,
+    # an audit field), shown as it is; "[/]" in a name used to crash the table.
+    out = Console(
+        highlight=False,
+        markup=False,
+        emoji=False,
+        soft_wrap=False,
+        width=None if sys.stdout.isatty() else 10_000,
+    )
+    err = Console(stderr=True, highlight=False, markup=False, emoji=False)
     admin_key = os.environ.get("STEERGATE_ADMIN_KEY", "")
     if not admin_key:
         err.print("error: set STEERGATE_ADMIN_KEY to the gateway's admin key", markup=False)
@@ -356,8 +374,9 @@ def _tenant_action(client: AdminClient, args: argparse.Namespace, out: Console) 
         tenants = _rows(client.call("GET", "/admin/tenants"), "tenants")
         _emit(out, args, tenants, lambda: tenant_table(tenants, "tenants"))
     elif args.action == "show":
-        tenant = client.call("GET", f"/admin/tenants/{args.id}")
-        keys = _rows(client.call("GET", f"/admin/tenants/{args.id}/keys"), "keys")
+        path = f"/admin/tenants/{_seg(args.id, 'tenant id')}"
+        tenant = client.call("GET", path)
+        keys = _rows(client.call("GET", f"{path}/keys"), "keys")
         usage = _rows(client.call("GET", "/admin/usage", params={"tenant": args.id}), "tenants")
         if args.json:
             out.print_json(
@@ -373,11 +392,13 @@ def _tenant_action(client: AdminClient, args: argparse.Namespace, out: Console) 
             body["allow_overcommit"] = True
         if not body:
             raise CLIError("nothing to update: pass --name or a limit flag", exit_code=2)
-        tenant = client.call("PATCH", f"/admin/tenants/{args.id}", json=body)
+        path = f"/admin/tenants/{_seg(args.id, 'tenant id')}"
+        tenant = client.call("PATCH", path, json=body)
         _emit(out, args, tenant, lambda: tenant_table([tenant], f"updated tenant {args.id}"))
     elif args.action == "delete":
+        path = f"/admin/tenants/{_seg(args.id, 'tenant id')}"
         _confirm(args.yes, f"delete tenant {args.id!r} with its keys, latches and vectors?")
-        client.call("DELETE", f"/admin/tenants/{args.id}")
+        client.call("DELETE", path)
         _emit(out, args, {"deleted": args.id}, lambda: f"deleted tenant {args.id}")
 
 
@@ -399,17 +420,20 @@ def _key_action(client: AdminClient, args: argparse.Namespace, out: Console) -> 
         }
         if limits:
             body["limits"] = limits
-        created = client.call("POST", f"/admin/tenants/{args.tenant}/keys", json=body)
+        path = f"/admin/tenants/{_seg(args.tenant, 'tenant id')}/keys"
+        created = client.call("POST", path, json=body)
         _print_secret(out, args, created, f"key id {created['key_id']} for tenant {args.tenant}")
     elif args.action == "list":
-        keys = _rows(client.call("GET", f"/admin/tenants/{args.tenant}/keys"), "keys")
+        path = f"/admin/tenants/{_seg(args.tenant, 'tenant id')}/keys"
+        keys = _rows(client.call("GET", path), "keys")
         _emit(out, args, keys, lambda: key_table(keys, f"keys of {args.tenant}"))
     elif args.action == "revoke":
-        client.call("DELETE", f"/admin/keys/{args.key_id}")
+        client.call("DELETE", f"/admin/keys/{_seg(args.key_id, 'key id')}")
         _emit(out, args, {"revoked": args.key_id}, lambda: f"revoked key {args.key_id}")
     elif args.action == "rotate":
         body = {} if args.grace is None else {"grace_s": int(args.grace)}
-        rotated = client.call("POST", f"/admin/keys/{args.key_id}/rotate", json=body)
+        path = f"/admin/keys/{_seg(args.key_id, 'key id')}/rotate"
+        rotated = client.call("POST", path, json=body)
         until = rotated.get("previous_expires_at")
         old = f"the old one works until {fmt_time(until)}" if until else "the old one is revoked"
         _print_secret(out, args, rotated, f"new secret for key {args.key_id} ({old})")
@@ -426,7 +450,7 @@ def _admin_key_action(client: AdminClient, args: argparse.Namespace, out: Consol
         keys = _rows(client.call("GET", "/admin/keys"), "keys")
         _emit(out, args, keys, lambda: admin_key_table(keys, "admin keys"))
     elif args.action == "revoke":
-        client.call("DELETE", f"/admin/keys/{args.key_id}")
+        client.call("DELETE", f"/admin/keys/{_seg(args.key_id, 'key id')}")
         _emit(out, args, {"revoked": args.key_id}, lambda: f"revoked key {args.key_id}")
 
 
@@ -517,7 +541,7 @@ def _usage_export(client: AdminClient, args: argparse.Namespace, out: Console) -
     params = {"start": args.since, "group_by": args.group_by or "day"}
     if args.until is not None:
         params["end"] = args.until
-    path = f"/admin/tenants/{tenant}/usage/export"
+    path = f"/admin/tenants/{_seg(tenant, 'tenant id')}/usage/export"
     if args.csv:
         sys.stdout.write(client.call_text("GET", path, params={**params, "format": "csv"}))
         return

@@ -120,7 +120,7 @@ def main(argv: Sequence[str]) -> int:
         args = _parser().parse_args(list(argv))
     except SystemExit as exc:
         return int(exc.code or 0)
-    err = Console(stderr=True, highlight=False)
+    err = Console(stderr=True, highlight=False, markup=False, emoji=False)
     key = os.environ.get("STEERGATE_API_KEY", "")
     if not key:
         err.print("error: set STEERGATE_API_KEY to the tenant's API key", markup=False)
@@ -145,7 +145,13 @@ def main(argv: Sequence[str]) -> int:
     if r.status_code >= 400:
         err.print(f"error: {_describe(r)}", markup=False)
         return 1
-    out = Console(highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 10_000)
+    out = Console(
+        highlight=False,
+        markup=False,
+        emoji=False,
+        soft_wrap=False,
+        width=None if sys.stdout.isatty() else 10_000,
+    )
     doc = r.json()
     if args.json:
         out.print_json(data=doc)

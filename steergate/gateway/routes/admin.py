@@ -33,11 +33,13 @@ from steergate.gateway.tenancy.records import (
     DEFAULT_GRACE_S,
     KEY_FIELDS,
     MAX_GRACE_S,
+    MAX_NAME,
     SCOPES,
     AdminKey,
     KeyLimits,
     Limits,
     Tenant,
+    check_name,
 )
 from steergate.gateway.tenancy.tenants import TenantStore
 from steergate.shared import request_id
@@ -50,7 +52,6 @@ log = logging.getLogger("steergate.gateway.admin")
 router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)])
 
 CREATE_FIELDS = {"id", "name", "limits", "allow_overcommit"}
-MAX_NAME = 200
 
 
 class TenantCreateBody(BaseModel):
@@ -184,9 +185,7 @@ async def _json_object(request: Request) -> dict[str, Any]:
 
 
 def _check_common(body: dict[str, Any]) -> None:
-    name = body.get("name")
-    if name is not None and (not isinstance(name, str) or len(name) > MAX_NAME):
-        raise InvalidField("name", f"'name' must be a string of at most {MAX_NAME} characters")
+    check_name(body.get("name"))
     if "allow_overcommit" in body and not isinstance(body["allow_overcommit"], bool):
         raise InvalidField("allow_overcommit", "'allow_overcommit' must be a boolean")
     limits = body.get("limits")
@@ -351,9 +350,7 @@ async def create_admin_key(request: Request) -> JSONResponse:
     role = body.get("role")
     if role not in ADMIN_ROLES:
         raise InvalidField("role", f"'role' is required: one of {', '.join(ADMIN_ROLES)}")
-    name = body.get("name") or ""
-    if not isinstance(name, str) or len(name) > MAX_NAME:
-        raise InvalidField("name", f"'name' must be a string of at most {MAX_NAME} characters")
+    name = check_name(body.get("name"))
     admin, key = await _store(request).create_admin_key(
         role, name=name, created_by=_actor(request).key_id
     )

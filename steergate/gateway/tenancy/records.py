@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import secrets
 import time
+import unicodedata
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -109,7 +110,29 @@ ADMIN_ROLES: tuple[str, ...] = ("admin", "viewer")
 DEFAULT_GRACE_S = 3600
 MAX_GRACE_S = 7 * 86400
 KEY_FIELDS = frozenset({"name", "expires_at", "scopes", "limits"})
-MAX_KEY_NAME = 200
+#: The longest name of a tenant, an API key or an admin key.
+MAX_NAME = 200
+#: Characters no name may hold (beside Unicode's controls, category Cc): the line and
+#: paragraph separators and the bidirectional overrides and isolates, which reorder
+#: what a terminal or a page shows around them ("Trojan source").
+_HIDDEN = frozenset("\u2028\u2029\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
+def check_name(value: Any, field: str = "name") -> str:
+    """A display name (a tenant's, an API key's or an admin key's), validated in full:
+    a string of at most :data:`MAX_NAME` characters, with no control character (an
+    escape sequence would reach an operator's terminal through ``steergate`` tables,
+    a newline would split a log or CSV line) and no bidirectional override."""
+    if value is None:
+        return ""
+    if not isinstance(value, str) or len(value) > MAX_NAME:
+        raise InvalidField(field, f"'{field}' must be a string of at most {MAX_NAME} characters")
+    for ch in value:
+        if ch in _HIDDEN or unicodedata.category(ch) == "Cc":
+            raise InvalidField(
+                field, f"'{field}' must not contain control characters (found U+{ord(ch):04X})"
+            )
+    return value
 
 
 class KeyLimits(BaseModel):
@@ -274,10 +297,7 @@ def check_key_options(
     tenant: Tenant, name: Any, expires_at: Any, scopes: Any, limits: Any, now: float
 ) -> tuple[str, float | None, tuple[str, ...], KeyLimits]:
     """Validate ``POST /admin/tenants/{id}/keys`` options; every 400 names its field."""
-    if name is None:
-        name = ""
-    if not isinstance(name, str) or len(name) > MAX_KEY_NAME:
-        raise InvalidField("name", f"'name' must be a string of at most {MAX_KEY_NAME} characters")
+    name = check_name(name)
     if expires_at is not None:
         if (
             isinstance(expires_at, bool)

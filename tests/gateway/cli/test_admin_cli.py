@@ -154,3 +154,40 @@ def test_sizes_parse_and_format_in_binary_units() -> None:
             parse_bytes(bad)
     assert format_bytes(268435456) == "256 MiB"
     assert format_bytes(1536) == "1.5 KiB" and format_bytes(10) == "10 B"
+
+
+def test_an_id_with_dot_segments_cannot_reach_another_route(cli, ops: Ops) -> None:  # type: ignore[no-untyped-def]
+    """The attack: ``key revoke ../tenants/beta``. The id went into the URL path as it
+    was, the client resolved ``..``, and ``DELETE /admin/tenants/beta`` deleted the
+    tenant, without the prompt ``tenant delete`` asks for, and printed "revoked key"."""
+    cli("tenant", "create", "beta")
+    code, _, err = cli("key", "revoke", "../tenants/beta")
+    assert code == 1 and "[404 not_found]" in err
+    assert ops.admin("GET", "/admin/tenants/beta").status_code == 200
+    code, _, err = cli("admin-key", "revoke", "../tenants/beta")
+    assert code == 1 and "[404 not_found]" in err
+    assert ops.admin("GET", "/admin/tenants/beta").status_code == 200
+    # and the other way: a tenant "id" that walks to an admin key's route
+    code, _, err = cli("tenant", "delete", "../keys/adm_0000", "--yes")
+    assert code == 1 and "[404 not_found]" in err
+    for bare in (".", ".."):
+        code, _, err = cli("key", "revoke", bare)
+        assert code == 2 and "not a key id" in err
+
+
+def test_names_are_printed_as_they_are_never_read_as_markup(cli, ops: Ops) -> None:  # type: ignore[no-untyped-def]
+    """The attack: a tenant named ``ACME [/]`` made ``tenant list`` (and ``audit``, for
+    as long as the entry lasted) crash with rich's MarkupError, and ``[link=…]`` in a
+    name became a hyperlink in the operator's terminal."""
+    cli("tenant", "create", "acme", "--name", "ACME [/] [link=https://evil.example]x[/link]")
+    cli("key", "create", "acme", "--name", "[bold]k[/bold] :smile:")
+    for argv in (("tenant", "list"), ("tenant", "show", "acme"), ("key", "list", "acme")):
+        code, out, err = cli(*argv)
+        assert code == 0, err
+        assert "Traceback" not in err
+    code, out, _ = cli("tenant", "list")
+    assert "ACME [/] [link=https://evil.example]x[/link]" in out and "\x1b]8;" not in out
+    code, out, _ = cli("key", "list", "acme")
+    assert "[bold]k[/bold] :smile:" in out
+    code, out, err = cli("audit")
+    assert code == 0 and "[link=https://evil.example]" in out, err

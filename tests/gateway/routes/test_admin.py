@@ -407,3 +407,23 @@ def test_concurrent_updates_of_one_tenant_each_keep_their_change(
         for field in fields:
             assert limits[field] == (wanted[field] if field in kept else before[field]), field
         assert after.json()["name"] == ("renamed" if answers[-1].status_code == 200 else "")
+
+
+@pytest.mark.parametrize(
+    "name", ["\x1b]8;;https://evil.example\x07x", "a\r\nforged line", "\x00", "\x9b2J", "\u2066x"]
+)
+def test_names_with_control_characters_are_refused_naming_the_field(ops: Ops, name: str) -> None:
+    """A name reaches operators' terminals (``steergate`` tables), logs and CSV: an
+    escape sequence, a line break or a bidirectional control in one is a 400."""
+    r = ops.admin("POST", "/admin/tenants", json={"id": "acme", "name": name})
+    assert (r.status_code, _error(r)["param"]) == (400, "name")
+    assert ops.admin("GET", "/admin/tenants/acme").status_code == 404
+    ops.admin("POST", "/admin/tenants", json={"id": "acme", "name": "Acme"})
+    r = ops.admin("PATCH", "/admin/tenants/acme", json={"name": name})
+    assert (r.status_code, _error(r)["param"]) == (400, "name")
+    assert ops.admin("GET", "/admin/tenants/acme").json()["name"] == "Acme"
+    r = ops.admin("POST", "/admin/keys", json={"role": "viewer", "name": name})
+    assert (r.status_code, _error(r)["param"]) == (400, "name")
+    # what a name may hold: any printable text, markup-like brackets and emoji included
+    r = ops.admin("PATCH", "/admin/tenants/acme", json={"name": "Ünïcode [b]x[/b] 🚀"})
+    assert r.status_code == 200, r.text

@@ -74,6 +74,9 @@ def cached(gw: ServerThread, key: str) -> bool:
         ({"expires_at": 1e13}, "expires_at"),  # milliseconds, not seconds
         ({"name": 5}, "name"),
         ({"name": "x" * 201}, "name"),
+        ({"name": "clear \x1b[2J screen"}, "name"),  # an escape sequence for a terminal
+        ({"name": "two\nlines"}, "name"),
+        ({"name": "evil\u202etxt.exe"}, "name"),  # a bidirectional override
         ({"scopes": "vectors"}, "scopes"),
         ({"scopes": []}, "scopes"),
         ({"scopes": ["vectors", "admin"]}, "scopes[1]"),
