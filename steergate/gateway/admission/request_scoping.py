@@ -77,7 +77,10 @@ class Head:
     names: tuple[str, ...]  # the named vectors used, client form, first-use order
     steered: bool  # the request carries its own ``steering``
     latch: bool
-    latch_sites: int  # distinct inline (hook, layer) sites a by-value latch keeps
+    #: Vectors a by-value latch of this request keeps, as the engine stores it
+    #: (``SteeringRequest.inline_latch_bytes``): one per distinct inline add site, plus
+    #: one per inline clamp or ablate direction (kept one by one, never merged).
+    latch_vectors: int
     stream: bool
     tokens: int
     #: ``capture``, structure checked (sites bounded); layers and bytes are checked
@@ -87,11 +90,11 @@ class Head:
     def latch_bytes(self, shape: ModelShape | None) -> int:
         # Without a known shape the engine still enforces its caps; the keep step
         # records the exact size once the engine has stored the latch.
-        return FLOAT32_BYTES * shape.hidden_size * self.latch_sites if shape else 0
+        return FLOAT32_BYTES * shape.hidden_size * self.latch_vectors if shape else 0
 
     @property
     def latch_kind(self) -> str:
-        return "value" if self.latch_sites else "ref"
+        return "value" if self.latch_vectors else "ref"
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,7 @@ def prescan(body: dict[str, Any], budget: InlineBudget = InlineBudget()) -> Head
     raw = body.get("steering")
     names: dict[str, None] = {}
     sites: set[tuple[Any, Any]] = set()
+    directions = 0  # inline clamp/ablate directions: each is latched on its own
     latch = False
     if raw is not None:
         if not isinstance(raw, dict):
@@ -145,7 +149,11 @@ def prescan(body: dict[str, Any], budget: InlineBudget = InlineBudget()) -> Head
             else:
                 hook = term.get("hook")
                 hook = hook if isinstance(hook, str) else repr(hook)  # malformed: named later
-                sites.update((hook, layer) for layer in _term_layers(term, param))
+                layers = _term_layers(term, param)
+                if term.get("op", "add") == "add":
+                    sites.update((hook, layer) for layer in layers)
+                else:
+                    directions += len(layers)
                 inline += _check_inline_floats(term, param, inline, budget)
         if latch and conv is None:
             raise InvalidField(
@@ -160,7 +168,7 @@ def prescan(body: dict[str, Any], budget: InlineBudget = InlineBudget()) -> Head
         names=tuple(names),
         steered=raw is not None,
         latch=latch,
-        latch_sites=len(sites) if latch else 0,
+        latch_vectors=len(sites) + directions if latch else 0,
         stream=stream,
         tokens=estimate_tokens(body),
     )

@@ -253,3 +253,27 @@ def test_a_dead_worker_fails_its_request_with_500_and_the_next_large_body_is_ser
             parser.close()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    "terms",
+    [
+        [{"hook": "post_block", "layers": {"1": [0.5] * 8}}],
+        # the same site twice: summed into one vector
+        [{"hook": "post_block", "layers": {"1": [0.5] * 8}}] * 2,
+        # clamps and ablations: one vector per direction, never merged
+        [{"hook": "post_block", "layers": {"1": [0.5] * 8}}]
+        + [{"hook": "post_block", "layers": {"1": [1.0] * 8}, "op": "clamp", "max": 1.0}] * 4,
+        [{"hook": "pre_attn", "layers": {"2": [1.0] * 8, "3": [2.0] * 8}, "op": "ablate"},
+         {"hook": "post_attn", "layers": {"1": [1.0] * 8, "2": [1.0] * 8}}],
+        [{"name": "bias"}, {"name": "bias", "op": "clamp", "max": 1.0}],  # by reference
+    ],
+)
+def test_admission_sizes_a_latch_as_the_engine_stores_it(terms: list[dict[str, Any]]) -> None:
+    """The quota is checked at admission against ``Head.latch_bytes``; the engine keeps
+    ``inline_latch_bytes`` (recorded after the turn, unchecked): the two must agree."""
+    shape = ModelShape(hidden_size=8, num_layers=4)
+    body = {"steering": {"vectors": terms, "latch": True}, "conversation_id": "c"}
+    head = prescan(body)
+    stored = parse_steering(body["steering"], shape).inline_latch_bytes(shape.hidden_size)
+    assert head.latch_bytes(shape) == stored

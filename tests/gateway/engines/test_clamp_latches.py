@@ -84,3 +84,30 @@ def test_bad_clamps_are_400s_naming_the_field(gateway: Any, redis_url: str) -> N
                    headers={"Authorization": f"Bearer {key}"}, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "steering.vectors"
+
+
+def test_clamp_directions_count_against_the_latch_bytes_quota(
+    gateway: Any, redis_url: str
+) -> None:
+    """The attack: one add and four clamps at one site, latched. Admission counted the
+    latch as one site (32 bytes at hidden 8) while the engine keeps five vectors, so a
+    tenant with a 32-byte quota held 160 bytes (the quota read "used 160, limit 32").
+    Now admission sizes the latch as the engine stores it: one vector per distinct add
+    site, one per clamp direction."""
+    add = {"hook": "post_block", "layers": {"1": [0.5] * 8}}
+    clamps = [{**CLAMP, "layers": {"1": [float(i + 1), 1.0] * 4}} for i in range(4)]
+    body = {"model": "stub", "messages": [{"role": "user", "content": "hi"}],
+            "conversation_id": "c", "steering": _latched(add, *clamps)}  # fmt: skip
+    key = make_tenant(redis_url, "small", latch_bytes=32, latch_policy="reject")
+    headers = {"Authorization": f"Bearer {key}"}
+    r = httpx.post(gateway.url + "/v1/chat/completions", json=body, headers=headers, timeout=30)
+    assert r.status_code == 429 and r.json()["error"]["code"] == "latch_quota_exceeded", r.text
+    usage = httpx.get(gateway.url + "/v1/usage", headers=headers, timeout=10).json()
+    assert usage["quotas"]["latch_bytes"]["used"] == 0
+
+    key = make_tenant(redis_url, "fits", latch_bytes=160, latch_policy="reject")
+    headers = {"Authorization": f"Bearer {key}"}
+    r = httpx.post(gateway.url + "/v1/chat/completions", json=body, headers=headers, timeout=30)
+    assert r.status_code == 200 and r.headers["x-steering-latch"] == "latched", r.text
+    usage = httpx.get(gateway.url + "/v1/usage", headers=headers, timeout=10).json()
+    assert usage["quotas"]["latch_bytes"]["used"] == 160
