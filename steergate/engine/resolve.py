@@ -27,7 +27,14 @@ from steergate.shared.clamp import (
 from steergate.shared.engine_api import LatchState
 from steergate.shared.errors import APIError, InvalidField
 from steergate.shared.latch_spec import LatchSpec, accumulate, clamp_items, sum_inline
-from steergate.shared.steering import InlineTerm, NamedTerm, SteeringRequest, check_sites_finite
+from steergate.shared.steering import (
+    DTYPE_MAX,
+    FLOAT32_MAX,
+    InlineTerm,
+    NamedTerm,
+    SteeringRequest,
+    check_sites_finite,
+)
 
 
 @dataclass(frozen=True)
@@ -69,14 +76,18 @@ def resolve_turn(
     controller: LatchController,
     expect: Expect | None = None,
     max_clamps: int = DEFAULT_MAX_CLAMPS_PER_SITE,
+    dtype: str = "float32",
 ) -> Resolution:
     """Raises :class:`InvalidField` (or a 409 cache miss) before any latch changes, so
-    a rejected request never stores, replaces or drops a latch."""
+    a rejected request never stores, replaces or drops a latch. ``dtype``: the served
+    model's, whose range the applied steering must stay within."""
     if steering is None:
         if conversation_id is None:
             return Resolution("none")
         if expect is not None and expect.restore is not None:
-            return _restore(expect.restore, conversation_id, registry, controller, max_clamps)
+            return _restore(
+                expect.restore, conversation_id, registry, controller, max_clamps, dtype
+            )
         if expect is not None and expect.latch == "":
             # The system of record holds no latch (never stored, evicted by the tenant's
             # quota, deleted): a copy cached here must not steer this turn.
@@ -105,10 +116,11 @@ def resolve_turn(
     value_sites = sum_inline(t for t in steering.terms if isinstance(t, InlineTerm))
     refs = _refs(steering, registry, expect)
     sites = combine(value_sites, refs, registry)
-    check_sites_finite(sites)  # each term finite, their sum or a named term's may not be
     items = clamp_items(steering.terms, lambda t: _ref_digest(t, registry, expect))
     clamps = resolve_clamps(items, registry)
     check_per_point(clamps, max_clamps)
+    # each term is finite; their sum at a point of the stream, or a named term's, may not be
+    check_in_range(sites, clamps, dtype)
     state: LatchState = "none"
     if steering.latch and conversation_id is not None:
         state = controller.store(conversation_id, Latch(steering.phase, value_sites, refs, items))
@@ -159,6 +171,7 @@ def _restore(
     registry: VectorRegistry,
     controller: LatchController,
     max_clamps: int = DEFAULT_MAX_CLAMPS_PER_SITE,
+    dtype: str = "float32",
 ) -> Resolution:
     """Install the gateway's copy of the conversation's latch, then bridge with it.
     A by-reference term whose vector now has other content makes it stale, exactly as
@@ -172,9 +185,27 @@ def _restore(
     # lose them: Redis keeps them). One too large to keep still steers this turn.
     clamps = resolve_clamps(latch.clamps, registry)
     check_per_point(clamps, max_clamps)
-    controller.store(conversation_id, latch)
     sites = combine(latch.value_sites, latch.refs, registry)
+    check_in_range(sites, clamps, dtype)  # the gateway's copy is input too
+    controller.store(conversation_id, latch)
     return Resolution("restored", latch.phase, sites, clamps)
+
+
+def check_in_range(
+    sites: Mapping[Site, np.ndarray], clamps: Iterable[Resolved], dtype: str
+) -> None:
+    """What a turn applies stays within the served dtype's range, where the tables hold
+    it: the summed steering at each point of the stream, and each clamp's bounds (a
+    clamp moves the projection to a bound: one of 1e5 is inf in float16)."""
+    limit = DTYPE_MAX.get(dtype, FLOAT32_MAX)
+    check_sites_finite(sites, limit=limit, dtype=dtype)
+    for c in clamps:
+        for bound in (c.bounds.lo, c.bounds.hi):
+            if bound is not None and abs(bound) > limit:
+                raise InvalidField(
+                    "steering.vectors",
+                    f"'steering.vectors': a clamp bound of {bound:.7g} overflows {dtype}",
+                )
 
 
 def _require_vectors(names: Iterable[str], registry: VectorRegistry) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from steergate.shared.clamp import OPS, Bounds, parse_bounds, unit
+from steergate.shared.clamp import OPS, Bounds, parse_bounds, point, unit
 from steergate.shared.codecs import (
     DTYPES,
     CodecError,
@@ -35,6 +35,9 @@ MAX_TERMS = 256
 FLOAT32_BYTES = 4
 #: Steering is applied in float32: a larger scale becomes inf there, however finite in JSON.
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+#: The largest finite value of each dtype a model may be served in: the steering
+#: tables hold the summed steering in it (a float16 row of 1e5 is inf).
+DTYPE_MAX = {"float32": FLOAT32_MAX, "bfloat16": 3.3895313892515355e38, "float16": 65504.0}
 #: Layer keys are ASCII decimal without sign or leading zeros ("²".isdigit() and
 #: int("١") == 1 are why this is not ``str.isdigit``); 9 digits is past any model.
 _LAYER_KEY = re.compile(r"0|[1-9][0-9]{0,8}")
@@ -372,13 +375,30 @@ def _check_scaled(layers: Mapping[int, np.ndarray], scale: float, param: str) ->
                 raise InvalidField(param, f"'{param}' times the vector overflows float32")
 
 
-def check_sites_finite(sites: Mapping[Site, np.ndarray], param: str = "steering.vectors") -> None:
-    """The summed steering (inline and named terms, each scaled) must be finite in
-    float32; every term may be finite while their sum is not."""
-    for (hook, layer), vec in sites.items():
-        if not np.isfinite(vec).all():
+def check_sites_finite(
+    sites: Mapping[Site, np.ndarray],
+    param: str = "steering.vectors",
+    limit: float = FLOAT32_MAX,
+    dtype: str = "float32",
+) -> None:
+    """The summed steering (inline and named terms, each scaled) must be finite, of
+    magnitude at most ``limit`` (the largest finite value of ``dtype``, the served
+    model's, where the tables hold it), at every point of the stream: every term may be
+    finite while their sum is not, and ``post_block`` l and ``pre_attn`` l+1 are one
+    point, summed into one table row (``engine/worker/tables.py``)."""
+    points: dict[Site, np.ndarray] = {}
+    with np.errstate(over="ignore", invalid="ignore"):
+        for site, vec in sites.items():
+            at = point(site)
+            points[at] = points[at] + vec if at in points else vec
+        for (hook, layer), summed in points.items():
+            if np.isfinite(summed).all() and float(np.abs(summed).max(initial=0.0)) <= limit:
+                continue
+            where = f"{hook} layer {layer}"
+            if hook == "post_block":
+                where += f" (the same point as pre_attn layer {layer + 1})"
             raise InvalidField(
-                param, f"'{param}': the summed steering at {hook} layer {layer} overflows float32"
+                param, f"'{param}': the summed steering at {where} overflows {dtype}"
             )
 
 

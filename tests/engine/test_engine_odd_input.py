@@ -141,3 +141,67 @@ async def test_a_sum_or_named_term_that_overflows_float32_is_a_400_and_stores_no
             r = await client.post("/v1/chat/completions", json=body, headers=AUTH)
             assert error(r)["param"] == "steering.vectors" and "overflows" in error(r)["message"]
         assert seen == [] and plugin.runtime.get().controller.list() == []
+
+
+async def test_steering_that_overflows_at_a_shared_point_of_the_stream_is_a_400() -> None:
+    """``post_block`` 1 and ``pre_attn`` 2 are one point of the stream: the worker sums
+    them into one table row. Two terms of 3e38, one at each, were each finite and
+    accepted, and the row was inf (the request's hidden states, then NaN)."""
+    big = [3e38] * HIDDEN
+    steering = {
+        "vectors": [
+            {"hook": "post_block", "layers": {"1": big}},
+            {"hook": "pre_attn", "layers": {"2": big}},
+        ],
+        "latch": True,
+    }
+    async with engine() as (client, seen, plugin):
+        r = await client.post(
+            "/v1/chat/completions",
+            json=chat(conversation_id="a~c1", steering=steering),
+            headers=AUTH,
+        )
+        err = error(r)
+        assert err["param"] == "steering.vectors" and "pre_attn layer 2" in err["message"]
+        assert seen == [] and plugin.runtime.get().controller.list() == []
+        # apart, at points of their own (pre_attn 3 is post_block 2), both are fine
+        steering["vectors"][1]["layers"] = {"3": big}
+        body = chat(conversation_id="a~c1", steering=steering)
+        r = await client.post("/v1/chat/completions", json=body, headers=AUTH)
+        assert r.status_code == 200, r.text
+
+
+async def test_steering_beyond_a_float16_models_range_is_a_400() -> None:
+    """On a float16 model the tables hold the steering in float16: 1e5 (finite in
+    float32) became inf there. The served dtype's range is the bound, for the summed
+    steering and for a clamp's bounds."""
+    async with engine() as (client, seen, plugin):
+        plugin.runtime.get().dtype = "float16"
+        refused = [
+            {"vectors": [{"hook": "post_block", "layers": {"1": [1e5] * HIDDEN}}]},
+            {"vectors": [{"hook": "post_block", "layers": {"1": [4e4] * HIDDEN}}] * 2},
+            {"vectors": [{"hook": "post_block", "layers": {"1": [1.0] * HIDDEN},
+                          "op": "clamp", "value": 1e5}]},
+        ]  # fmt: skip
+        for steering in refused:
+            r = await client.post(
+                "/v1/chat/completions", json=chat(steering=steering), headers=AUTH
+            )
+            err = error(r)
+            assert err["param"] == "steering.vectors" and "float16" in err["message"], steering
+        assert seen == []
+        fits = {"vectors": [{"hook": "post_block", "layers": {"1": [6e4] * HIDDEN}}]}
+        r = await client.post("/v1/chat/completions", json=chat(steering=fits), headers=AUTH)
+        assert r.status_code == 200, r.text
+
+
+def test_the_served_dtype_is_read_from_vllms_model_config() -> None:
+    from types import SimpleNamespace
+
+    import torch
+
+    from steergate.engine.http.plugin import dtype_name
+
+    for dtype, name in ((torch.float16, "float16"), (torch.bfloat16, "bfloat16"),
+                        (torch.float32, "float32"), (torch.float64, "float32")):  # fmt: skip
+        assert dtype_name(SimpleNamespace(dtype=dtype)) == name

@@ -32,7 +32,7 @@ from steergate.shared.jsondepth import JsonDepthMiddleware
 from steergate.shared.openai_errors import OpenAIErrorMiddleware
 from steergate.shared.request_id import RequestIdMiddleware
 from steergate.shared.settings import EngineSettings
-from steergate.shared.steering import ModelShape
+from steergate.shared.steering import DTYPE_MAX, ModelShape
 
 log = logging.getLogger("steergate.http")
 
@@ -93,6 +93,7 @@ class SteeringEndpointPlugin:
             _served_name(args), shape, self.settings,
             capture=capture_support(engine_client.vllm_config),
             served=_served_architecture(model_config, steering=self.settings.steering == "on"),
+            dtype=dtype_name(model_config),
         )
         self.runtime.set(runtime)
         state.steergate = runtime
@@ -108,6 +109,13 @@ class SteeringEndpointPlugin:
             runtime.controller.max_bytes,
             runtime.epoch,
         )
+
+
+def dtype_name(model_config: Any) -> str:
+    """The served dtype (``torch.bfloat16`` -> ``"bfloat16"``), as ``DTYPE_MAX`` names
+    it; an unknown one is held to float32's range."""
+    name = str(getattr(model_config, "dtype", "float32")).removeprefix("torch.")
+    return name if name in DTYPE_MAX else "float32"
 
 
 def capture_support(vllm_config: Any) -> CaptureSupport:

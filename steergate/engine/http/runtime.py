@@ -47,6 +47,9 @@ class SteeringRuntime:
     capture: CaptureSupport = field(default_factory=lambda: CaptureSupport(max_model_len=2048))
     max_clamps: int = DEFAULT_MAX_CLAMPS_PER_SITE  # clamp directions per point of the stream
     served: ServedArchitecture = field(default_factory=ServedArchitecture)
+    #: The served model's dtype (a key of ``shared.steering.DTYPE_MAX``): the tables
+    #: hold the steering in it, so a sum beyond its range is refused, not applied as inf.
+    dtype: str = "float32"
 
     @property
     def epoch(self) -> str:
@@ -57,6 +60,7 @@ class SteeringRuntime:
         cls, model: str, shape: ModelShape, settings: EngineSettings, epoch: str | None = None,
         capture: CaptureSupport | None = None,
         served: ServedArchitecture | None = None,
+        dtype: str = "float32",
     ) -> SteeringRuntime:
         controller = LatchController(
             settings.max_latched_conversations,
@@ -65,7 +69,7 @@ class SteeringRuntime:
         )
         runtime = cls(model=model, shape=shape, controller=controller,
                       served=served or ServedArchitecture(),
-                      max_clamps=settings.max_clamps_per_site)
+                      max_clamps=settings.max_clamps_per_site, dtype=dtype)
         if capture is not None:
             runtime.capture = capture
         return runtime
