@@ -53,6 +53,7 @@ from steergate.gateway.store import key_names as keys
 from steergate.gateway.store.connection import Redis, connect
 from steergate.gateway.store.scripts import Scripts
 from steergate.gateway.tenancy.tenants import TenantStore
+from steergate.gateway.vectors.contrast_jobs import ContrastJobs
 from steergate.shared import request_id
 from steergate.shared.errors import APIError, code_for_status, render
 from steergate.shared.openai_errors import OpenAIErrorMiddleware
@@ -140,6 +141,7 @@ def build_services(
         ),
         settler=settler,
         bodies=BodyParser(settings.body_parse_workers, InlineBudget.of(settings)),
+        contrast=ContrastJobs(),
     )
 
 
@@ -177,6 +179,7 @@ def create_app(
                 t.cancel()
             await svc.engines.pool.aclose()
             svc.bodies.close()
+            svc.contrast.close()
             with contextlib.suppress(Exception):
                 await svc.redis.aclose()
 

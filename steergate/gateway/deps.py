@@ -15,6 +15,7 @@ from steergate.gateway.engines.sync import EngineSync
 from steergate.gateway.store.connection import Redis
 from steergate.gateway.store.scripts import Scripts
 from steergate.gateway.tenancy.tenants import TenantStore
+from steergate.gateway.vectors.contrast_jobs import ContrastJobs
 from steergate.shared.settings import GatewaySettings
 
 
@@ -31,6 +32,7 @@ class Services:
     limiter: Limiter
     settler: Settler
     bodies: BodyParser  # large bodies parsed in worker processes, per tenant
+    contrast: ContrastJobs  # from-examples' math: threads of its own, per tenant
 
 
 def get_services(request: Request) -> Services:

@@ -23,18 +23,17 @@ See docs/gateway.md ("Large bodies") for the measurements behind this.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import multiprocessing
-from collections.abc import AsyncIterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from steergate.gateway.admission.request_scoping import InlineBudget, prescan
+from steergate.gateway.admission.turns import TenantTurns
 from steergate.shared.errors import APIError, InvalidField
 from steergate.shared.jsondepth import check_json_depth
 from steergate.shared.steering import (
@@ -96,12 +95,6 @@ def vector_in_worker(raw: bytes, shape: ModelShape | None) -> tuple[Any, ...]:
         return ("error", exc.param, exc.message, exc.code)
 
 
-@dataclass
-class _Turn:
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    users: int = 0
-
-
 class BodyParser:
     """The worker processes (owned by the app's lifespan) and the per-tenant turns."""
 
@@ -109,7 +102,7 @@ class BodyParser:
         self.workers = workers
         self.budget = budget
         self._pool: ProcessPoolExecutor | None = None
-        self._turns: dict[str, _Turn] = {}
+        self._turns = TenantTurns()
 
     def start(self) -> None:
         # spawn, not fork: the gateway process has threads (the executor's, Redis's).
@@ -135,7 +128,7 @@ class BodyParser:
         return hook, layers, description
 
     async def _call(self, tenant_id: str, fn: Any, *args: Any) -> tuple[Any, ...]:
-        async with self._turn(tenant_id):
+        async with self._turns.turn(tenant_id):
             result = await self._run(fn, *args)
         if result[0] == "error":
             _, param, message, code = result
@@ -155,15 +148,3 @@ class BodyParser:
             log.error("body parser pool broken; starting a new one")
             self.close()
             raise APIError("internal_error", "The request body could not be parsed.") from exc
-
-    @contextlib.asynccontextmanager
-    async def _turn(self, tenant_id: str) -> AsyncIterator[None]:
-        turn = self._turns.setdefault(tenant_id, _Turn())
-        turn.users += 1
-        try:
-            async with turn.lock:
-                yield
-        finally:
-            turn.users -= 1
-            if not turn.users:
-                del self._turns[tenant_id]

@@ -31,22 +31,27 @@ from steergate.gateway.admission.metered import admitted
 from steergate.gateway.admission.request_scoping import combined_salt
 from steergate.gateway.deps import Services, ServicesDep
 from steergate.gateway.engines.upstream import EngineUnreachable, UpstreamResponse
-from steergate.gateway.routes.inference import read_json_object
+from steergate.gateway.routes.inference import (
+    CLIENT_CLOSED,
+    read_json_object,
+    unless_client_leaves,
+)
 from steergate.gateway.routes.vectors import precheck_quota, store_vector
 from steergate.gateway.tenancy.auth import TenantDep, caller_key
 from steergate.gateway.tenancy.records import Tenant
 from steergate.gateway.vectors.contrast import compute
 from steergate.gateway.vectors.examples_spec import Example, ExamplesSpec, parse_examples_body
 from steergate.shared import engine_api
-from steergate.shared.capture import decode_capture
+from steergate.shared.capture import MAX_BYTES, decode_capture
 from steergate.shared.errors import APIError, InvalidField
 from steergate.shared.scoping import check_vector_name
-from steergate.shared.steering import ModelShape
+from steergate.shared.steering import FLOAT32_BYTES, ModelShape
 
 router = APIRouter(tags=["vectors"])
 
 #: Examples per engine request: one batch the engine schedules together; with every
-#: layer of a 30-layer, 576-wide model that is 2.2 MB of captured float32.
+#: layer of a 30-layer, 576-wide model that is 2.2 MB of captured float32. Fewer on a
+#: model whose batch would pass the engine's capture bound (:func:`batch_size`).
 BATCH = 32
 #: Messages examples templated at once (one ``/tokenize`` call each).
 TOKENIZE_CONCURRENCY = 8
@@ -99,10 +104,17 @@ async def from_examples(
     async with admitted(svc.settler, admission) as call:
         usage = Usage()
         try:
-            doc, created = await _make(name, spec, tenant, svc, shape, usage)
+            # A client that leaves stops the job: its engine request is cancelled (vLLM
+            # aborts it) and no later batch, vector or store runs for nobody.
+            made = await unless_client_leaves(
+                _make(name, spec, tenant, svc, shape, usage), request.receive
+            )
         finally:
             # What the engine did is charged even when a later step failed.
             call.tokens, call.prompt_tokens = usage.total, usage.prompt_tokens
+        if made is None:
+            return Response(status_code=CLIENT_CLOSED)  # settled on the way out
+        doc, created = made
         status = 201 if created else 200
         call.settle(status)
         return Response(
@@ -120,14 +132,17 @@ async def _make(
     acts = {}
     for side, examples in (("positive", spec.positive), ("negative", spec.negative)):
         prompts = await _prompts(svc, examples, side)
-        acts[side] = await _activations(svc, spec, prompts, side, salt, usage)
-    results = await asyncio.to_thread(
+        acts[side] = await _activations(
+            svc, spec, prompts, side, salt, usage, shape.hidden_size
+        )
+    results = await svc.contrast.run(
+        tenant.id,
         lambda: {
             layer: compute(
                 acts["positive"][layer], acts["negative"][layer], spec.method, spec.normalize
             )
             for layer in spec.layers
-        }
+        },
     )
     report = {
         "layers": {str(layer): r.report() for layer, r in results.items()},
@@ -191,6 +206,14 @@ async def _template(svc: Services, messages: list[dict[str, str]], param: str) -
     return tokens
 
 
+def batch_size(hidden_size: int, layers: int) -> int:
+    """Examples per engine request: :data:`BATCH`, or as many as fit the engine's
+    bound on one request's capture (``capture.MAX_BYTES``; one reduced row per example
+    and layer). An 80-layer, 8192-wide model fits 25: 32 were 80 MiB, refused."""
+    per_example = FLOAT32_BYTES * hidden_size * max(1, layers)
+    return max(1, min(BATCH, MAX_BYTES // per_example))
+
+
 async def _activations(
     svc: Services,
     spec: ExamplesSpec,
@@ -198,14 +221,16 @@ async def _activations(
     side: str,
     salt: str,
     usage: Usage,
+    hidden_size: int,
 ) -> dict[int, np.ndarray]:
     """``{layer: [examples, hidden]}`` for one side, in example order."""
     rows: dict[int, list[np.ndarray]] = {layer: [] for layer in spec.layers}
     # vLLM takes a list of texts or a list of token-id lists, not both in one request.
     order = sorted(range(len(prompts)), key=lambda i: isinstance(prompts[i], list))
     by_example: dict[int, dict[int, np.ndarray]] = {}
-    for start in range(0, len(order), BATCH):
-        chunk = order[start : start + BATCH]
+    batch = batch_size(hidden_size, len(spec.layers))
+    for start in range(0, len(order), batch):
+        chunk = order[start : start + batch]
         kinds = {isinstance(prompts[i], list) for i in chunk}
         for kind in kinds:
             part = [i for i in chunk if isinstance(prompts[i], list) == kind]
@@ -268,8 +293,11 @@ async def _capture(
 
 
 def _answer(r: UpstreamResponse, param: str) -> dict[str, Any]:
-    """The engine's JSON answer, or the error the client gets: the engine refusing
-    the examples (too long for the model, say) is the caller's 400, naming them."""
+    """The engine's JSON answer, or the error the client gets, by what the engine said:
+    a refusal of the examples (too long for the model, say) is the caller's 400 naming
+    them; a feature this engine lacks (capture on an engine that replays CUDA graphs) is
+    501 ``not_implemented`` with the engine's reason, not a retryable 502; a full queue
+    is 503; anything else is the engine failing, 502."""
     try:
         doc = r.json()
     except orjson.JSONDecodeError:
@@ -278,8 +306,14 @@ def _answer(r: UpstreamResponse, param: str) -> dict[str, Any]:
         return doc
     err = doc.get("error") if isinstance(doc, dict) else None
     message = err.get("message") if isinstance(err, dict) else None
-    if r.status == 400:
+    message = message if isinstance(message, str) else None
+    if r.status in (400, 413, 422):
         raise InvalidField(param, f"the engine refused '{param}': {message or 'bad request'}")
-    if r.status == 503:
+    if r.status == 501:
+        raise APIError(
+            "not_implemented",
+            f"this engine cannot make vectors from examples: {message or 'not implemented'}",
+        )
+    if r.status in (429, 503):
         raise APIError("engine_overloaded", "The inference engine is overloaded; try again.")
     raise APIError("engine_unavailable", "The inference engine is unavailable.")

@@ -227,7 +227,7 @@ def _usage(doc: Any) -> tuple[int, int]:
 #: before its answer: nginx's "client closed request". Nobody receives it.
 CLIENT_CLOSED = 499
 #: How long a unary answer may take before the gateway starts watching for its client's
-#: disconnect (see ``_unless_client_leaves``).
+#: disconnect (see ``unless_client_leaves``).
 WATCH_AFTER_S = 0.05
 
 
@@ -238,7 +238,7 @@ async def _disconnected(receive: Receive) -> None:
         pass
 
 
-async def _unless_client_leaves(work: Awaitable[T], receive: Receive) -> T | None:
+async def unless_client_leaves(work: Awaitable[T], receive: Receive) -> T | None:
     """``work``'s result, or None if the client disconnects first. Then ``work`` was
     cancelled and has ended: the engine client closed the engine connection, and vLLM
     aborts a request whose connection closed, so the engine stops generating an answer
@@ -283,7 +283,7 @@ async def _unary(
     turn: Turn, call: Admitted, on_capture: Callable[[Any], None], receive: Receive
 ) -> Response:
     adm, prep = turn.adm, turn.prep
-    r = await _unless_client_leaves(turn.send(), receive)
+    r = await unless_client_leaves(turn.send(), receive)
     if r is None:
         # Charged the reservation: what the engine did before it stopped is unknown (a
         # stream's client that leaves before the first byte is charged the same way).

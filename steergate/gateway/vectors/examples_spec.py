@@ -92,8 +92,11 @@ def parse_examples_body(body: dict[str, Any], shape: ModelShape) -> ExamplesSpec
         )
     spec = ExamplesSpec(hook, layers, positive, negative, method, position, normalize, description)
     if spec.chars > MAX_TOTAL_CHARS:
+        # Named: the side holding more of them (the one to shorten).
+        pos = sum(_chars(e) for e in positive)
+        side = "positive" if pos >= spec.chars - pos else "negative"
         raise InvalidField(
-            "positive",
+            side,
             f"the examples hold {spec.chars} characters; at most {MAX_TOTAL_CHARS} in all",
             code="examples_too_large",
         )

@@ -196,6 +196,7 @@ HOSTILE: list[tuple[dict[str, Any], str, str]] = [
     ),
     ({"positive": OCEAN, "negative": ["z" * 8001, "b"]}, "negative[0]", "examples_too_large"),
     ({"positive": ["z" * 8000] * 51, "negative": CITY}, "positive", "examples_too_large"),
+    ({"positive": OCEAN, "negative": ["z" * 8000] * 51}, "negative", "examples_too_large"),
     ({"positive": OCEAN, "negative": CITY[:3], "method": "pca"}, "negative", "invalid_request"),
     ({"positive": OCEAN[:1], "negative": CITY}, "positive", "invalid_request"),
     ({"positive": "ocean", "negative": CITY}, "positive", "invalid_request"),
@@ -230,3 +231,63 @@ def test_bad_name_and_bad_json_get_400(gateway: ServerThread, redis_url: str) ->
         headers={"Authorization": f"Bearer {key}"},
     )
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+
+
+def test_an_engine_that_cannot_capture_is_a_501_with_its_reason_not_a_retryable_502(
+    gateway: ServerThread, fake_engine: FakeEngine, redis_url: str
+) -> None:
+    """An engine that replays CUDA graphs refuses capture (501 ``not_implemented``):
+    from-examples answered a retryable 502 ``engine_unavailable`` that hid why."""
+    from steergate.engine.http.capture import CaptureSupport
+
+    reason = "CUDA graphs are captured; start the engine with --enforce-eager"
+    fake_engine.state.runtime.capture = CaptureSupport(2048, reason)
+    key = make_tenant(redis_url, "acme")
+    r = make(gateway, key, "v", {"positive": OCEAN, "negative": CITY})
+    assert r.status_code == 501, r.text
+    err = r.json()["error"]
+    assert err["code"] == "not_implemented" and "--enforce-eager" in err["message"]
+    assert r.headers["x-should-retry"] == "false"
+    assert get(gateway, key, "/v1/steering/vectors").json()["data"] == []
+
+
+def test_a_client_that_leaves_stops_the_job(
+    gateway: ServerThread, fake_engine: FakeEngine, redis_url: str
+) -> None:
+    """Each side's examples go to the engine in batches. A client that left used to
+    leave its job running: every later batch, the math and the store ran for nobody,
+    and were charged. Now the batch in flight is abandoned (its connection closed) and
+    nothing after it runs."""
+    fake_engine.state.delay_s = 1.0
+    key = make_tenant(redis_url, "acme")
+    body = {"positive": [f"ocean {i}" for i in range(64)],
+            "negative": [f"city {i}" for i in range(64)]}  # fmt: skip
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{gateway.url}/v1/steering/vectors/v/from-examples",
+            json=body,
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=0.5,
+        )
+    time.sleep(2.5)  # two more batches' time, had the job gone on
+    captures = [b for b in fake_engine.state.requests if b.get("capture")]
+    assert len(captures) == 1 and len(fake_engine.state.abandoned) == 1
+    fake_engine.state.delay_s = 0.0
+    assert get(gateway, key, "/v1/steering/vectors").json()["data"] == []
+
+
+def test_a_batch_fits_the_engines_capture_bound_on_a_wide_deep_model() -> None:
+    """32 examples of every layer of an 80-layer, 8192-wide model were 80 MiB in one
+    capture request, over the engine's 64 MiB: every such request was refused."""
+    from steergate.gateway.routes.from_examples import BATCH, batch_size
+    from steergate.shared.capture import check_capture_bytes, parse_capture
+
+    for hidden, layers in ((576, 30), (4096, 32), (8192, 80), (16384, 126), (65536, 256)):
+        batch = batch_size(hidden, layers)
+        spec = parse_capture(
+            {"sites": [{"hook": "post_block", "layers": list(range(layers))}],
+             "tokens": "prompt", "reduce": "mean"}, None,
+        )  # fmt: skip
+        check_capture_bytes(spec, hidden, batch)  # what the engine checks: it fits
+        assert batch == BATCH or batch == 1 or spec.nbytes(hidden, batch + 1) > (64 << 20)
+    assert batch_size(576, 30) == BATCH and batch_size(8192, 80) == 25
