@@ -54,8 +54,22 @@ def json_too_deep(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
     return False
 
 
+def not_utf8_json(raw: bytes) -> bool:
+    """True for a body in UTF-16 or UTF-32, which JSON's exchange form (RFC 8259) is
+    not: Python's ``json.loads`` reads them from bytes (a NUL among the first four
+    bytes, or a UTF-16 byte-order mark), while the depth scan reads bytes as UTF-8, so
+    in one of them a string hides brackets from the scan (UTF-16 ``"\u5c00"`` is the
+    bytes ``00 5c``: a backslash) and 3,000 levels passed it, then raised
+    RecursionError (a 500)."""
+    head = raw[:4]
+    return b"\x00" in head or head.startswith((b"\xff\xfe", b"\xfe\xff"))
+
+
 def check_json_depth(raw: bytes, limit: int = MAX_JSON_DEPTH) -> None:
-    """Raise the contract's 400 ``invalid_json`` for a body nested deeper than ``limit``."""
+    """Raise the contract's 400 ``invalid_json`` for a body nested deeper than
+    ``limit``, or one not in UTF-8 (:func:`not_utf8_json`), whose depth it cannot see."""
+    if not_utf8_json(raw):
+        raise InvalidField("body", "The request body must be JSON in UTF-8.", code="invalid_json")
     if json_too_deep(raw, limit):
         raise InvalidField(
             "body",

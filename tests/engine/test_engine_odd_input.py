@@ -57,6 +57,30 @@ async def test_json_nested_1000_deep_is_a_400_invalid_json(method: str, path: st
         assert seen == [] and plugin.runtime.get().controller.list() == []
 
 
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [("POST", "/v1/chat/completions"), ("PUT", "/v1/steering/vectors/a~calm")],
+)
+@pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16", "utf-32-be"])
+async def test_json_in_utf16_or_utf32_is_a_400_not_a_500(
+    method: str, path: str, encoding: str
+) -> None:
+    """The attack: 3,000 levels in UTF-16, with a string holding U+5C00 (the bytes
+    ``00 5c`` in UTF-16-LE: a backslash to a scan of UTF-8), which hid every bracket
+    after it from the depth bound; Python's json read the UTF-16 and raised
+    RecursionError, a 500."""
+    raw = ('["\u5c00",' * 3000 + "1" + "]" * 3000).encode(encoding)
+    plain = '{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'.encode(encoding)
+    async with engine() as (client, seen, plugin):
+        for body in (raw, plain):
+            r = await client.request(
+                method, path, content=body, headers={**AUTH, "content-type": "application/json"}
+            )
+            assert (error(r)["code"], error(r)["param"]) == ("invalid_json", "body")
+            assert "UTF-8" in error(r)["message"]
+        assert seen == [] and plugin.runtime.get().controller.list() == []
+
+
 async def test_the_depth_bound_runs_after_the_token_check() -> None:
     async with engine() as (client, _, _):
         r = await client.post("/v1/chat/completions", content=deep())

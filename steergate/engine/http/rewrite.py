@@ -258,7 +258,7 @@ def _strip_xargs(doc: dict[str, Any]) -> bool:
 def _json_object(body: bytes) -> dict[str, Any] | None:
     try:
         doc = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return None
     return doc if isinstance(doc, dict) else None
 

@@ -127,7 +127,7 @@ def _is_octet_stream(request: Request) -> bool:
 def _json_body(raw: bytes) -> Any:
     try:
         return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise InvalidField(
             "body", "the request body is not valid JSON", code="invalid_json"
         ) from exc
