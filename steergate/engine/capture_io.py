@@ -25,7 +25,7 @@ import re
 import struct
 import tempfile
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +54,11 @@ def refusal(vllm_config: Any) -> str | None:
     graphs = mode is not None and getattr(mode, "name", "NONE") != "NONE"
     if device != "cpu" and graphs and not getattr(model_config, "enforce_eager", False):
         return "this engine replays CUDA graphs; serve it with --enforce-eager to capture"
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        # Draft tokens run through the model and are rolled back when rejected; the
+        # capture plan keeps each position once, so it would keep the rejected drafts'
+        # rows and skip the accepted tokens recomputed at those positions.
+        return "this engine decodes speculatively; serve it without a draft model to capture"
     return None
 
 
@@ -205,11 +210,20 @@ def discard(cid: str, directory: Path | None = None) -> None:
             path.unlink(missing_ok=True)
 
 
-def sweep_stale(directory: Path | None = None, older_than_s: float = STALE_AFTER_S) -> int:
-    """Remove files no answer collected (a worker wrote after the client left)."""
+def sweep_stale(
+    directory: Path | None = None,
+    older_than_s: float = STALE_AFTER_S,
+    running: Container[str] = (),
+) -> int:
+    """Remove files no answer collected (a worker wrote after the client left), except
+    those of ``running`` capture ids: a request still running may not have written for
+    a long while (``tokens: "prompt"`` writes at prefill only, then generation runs).
+    Sweeping them answered it 200 with empty activations."""
     directory = directory or capture_dir()
     cutoff, removed = time.time() - older_than_s, 0
     for path in directory.glob("*.cap"):
+        if path.name.split(".", 1)[0] in running:
+            continue
         try:
             if path.stat().st_mtime < cutoff:
                 path.unlink()

@@ -131,6 +131,15 @@ def test_only_an_engine_that_replays_cuda_graphs_cannot_capture() -> None:
     assert capture_io.refusal(_config("cpu", "PIECEWISE")) is None
 
 
+def test_an_engine_that_decodes_speculatively_cannot_capture() -> None:
+    """Rejected draft tokens are rolled back and their positions recomputed; capture
+    keeps each position once, so it answered with the rejected drafts' rows."""
+    config = _config("cpu", "NONE")
+    assert capture_io.refusal(config) is None
+    config.speculative_config = SimpleNamespace(method="ngram", num_speculative_tokens=3)
+    assert "speculatively" in (capture_io.refusal(config) or "")
+
+
 def test_wrappers_leave_the_op_out_where_capture_is_refused() -> None:
     """A capture call is a declared mutation of the stream, across which Inductor does
     not fuse; an engine that cannot capture (CUDA graphs) keeps it out of its graphs.
@@ -155,3 +164,47 @@ def test_wrappers_leave_the_op_out_where_capture_is_refused() -> None:
         assert off["steergate::steer_and_clamp"] == calls["steergate::steer_and_clamp"] > 0
     finally:
         capture.call_op(True)
+
+
+def test_the_stale_sweep_spares_a_request_still_running(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``tokens: "prompt"`` writes at prefill only; a generation (or a queue) that then
+    ran past the stale horizon had its file swept by the next capture request's
+    ``take``, and its answer was a 200 with zero rows. A running request's files stay;
+    an orphan's (a worker that wrote after its client left) still go."""
+    import os
+    import time
+
+    from steergate.engine.http import capture as capture_http
+    from steergate.shared.steering import ModelShape
+
+    monkeypatch.setenv("STEERGATE_CAPTURE_DIR", str(tmp_path))
+    shape, support = ModelShape(hidden_size=H, num_layers=4), capture_http.CaptureSupport(64)
+
+    def take() -> capture_http.CaptureCall:
+        doc = {"prompt": [1, 2, 3], "max_tokens": 4,
+               "capture": {"sites": [{"hook": "post_block", "layers": [1]}]}}  # fmt: skip
+        call = capture_http.take(doc, "/v1/completions", shape, support)
+        assert call is not None
+        call.apply(doc)  # the request is sent: it is running
+        return call
+
+    running = take()
+    st = _state(tmp_path)
+    st.add_request("cmpl-r-0-0a1b2c3d", capture_io.CapturePayload(running.cid, (SITE,),
+                                                                  "prompt", "mean"))  # fmt: skip
+    _step(st, [("cmpl-r-0-0a1b2c3d", 0, 3, 0)], {"cmpl-r-0-0a1b2c3d": 3})
+    orphan = tmp_path / f"{capture_io.new_capture_id()}.0.cap"
+    orphan.write_bytes(b"")
+    old = time.time() - capture_io.STALE_AFTER_S - 100
+    for path in tmp_path.iterdir():
+        os.utime(path, (old, old))
+    later = take()  # another request's take() sweeps stale files
+    assert not orphan.exists()
+    from steergate.shared.capture import decode_capture
+
+    rows = decode_capture(running.answer())[(0, *SITE)]
+    np.testing.assert_allclose(rows, [[1.0] * H])  # the prompt's mean, not zero rows
+    later.discard()
+    assert capture_http._RUNNING == set()

@@ -46,6 +46,11 @@ class CaptureSupport:
     refused: str | None = None  # why this engine cannot capture (CUDA graphs), if so
 
 
+#: Capture ids of this API server's requests still running: their workers' files are
+#: being written, or wait to be collected, and the stale sweep leaves them alone.
+_RUNNING: set[str] = set()
+
+
 @dataclass(frozen=True)
 class CaptureCall:
     spec: CaptureSpec
@@ -59,11 +64,15 @@ class CaptureCall:
         payload = capture_io.encode_payload(self.cid, self.spec.sites, self.spec.tokens,
                                             self.spec.reduce)
         doc["vllm_xargs"] = {**(doc.get("vllm_xargs") or {}), capture_io.XARGS_KEY: payload}
+        _RUNNING.add(self.cid)  # until answer() or discard()
 
     def answer(self) -> dict[str, Any]:
         """Collect (and delete) the workers' files; every choice has every site
         (zero rows where a choice captured none, e.g. ``generated`` with one token)."""
-        got = capture_io.collect(self.cid)
+        try:
+            got = capture_io.collect(self.cid)
+        finally:
+            _RUNNING.discard(self.cid)
         by_index: dict[int, Mapping[tuple[str, int], Any]] = {}
         for req_id, sites in got.items():
             by_index[capture_io.choice_index(req_id, self.n, self.prompt_list)] = sites
@@ -76,6 +85,7 @@ class CaptureCall:
         return capture_answer(self.spec, sites)
 
     def discard(self) -> None:
+        _RUNNING.discard(self.cid)
         capture_io.discard(self.cid)
 
 
@@ -99,7 +109,7 @@ def take(
     # Per prompt, then times n: never a list as long as the client's n.
     rows = n * sum(min(support.max_model_len, spec.max_rows(p, max_new)) for p in prompt_rows)
     check_capture_bytes(spec, shape.hidden_size, rows, limits)
-    capture_io.sweep_stale()
+    capture_io.sweep_stale(running=_RUNNING)
     return CaptureCall(spec, capture_io.new_capture_id(), n, len(prompt_rows),
                        path == engine_api.COMPLETIONS, shape.hidden_size)
 

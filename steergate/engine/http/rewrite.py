@@ -98,17 +98,17 @@ class SteeringRewriteMiddleware:
             call.apply(doc)
             send = capture_http.with_capture(send, call, path)
         new_body = json.dumps(doc, separators=(",", ":")).encode()
-        if plain is not None:
-            plain_body = json.dumps(plain, separators=(",", ":")).encode()
-            await compare.serve(
-                self.app,
-                (_with_body_length(scope, new_body), replay(new_body, receive)),
-                (_with_body_length(scope, plain_body), replay(plain_body, receive)),
-                _with_latch(send, resolution),
-                compare.num_choices(doc),
-            )
-            return
         try:
+            if plain is not None:
+                plain_body = json.dumps(plain, separators=(",", ":")).encode()
+                await compare.serve(
+                    self.app,
+                    (_with_body_length(scope, new_body), replay(new_body, receive)),
+                    (_with_body_length(scope, plain_body), replay(plain_body, receive)),
+                    _with_latch(send, resolution),
+                    compare.num_choices(doc),
+                )
+                return
             await self.app(
                 _with_body_length(scope, new_body),
                 replay(new_body, receive),
