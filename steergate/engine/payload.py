@@ -19,6 +19,8 @@ import numpy as np
 
 from steergate.shared.clamp import Resolved, decode_resolved, encode_resolved, update_digest
 from steergate.shared.codecs import b64_to_f32, f32_to_b64
+from steergate.shared.positions import is_phase
+from steergate.shared.steering import HOOKS
 
 XARGS_KEY = "steergate"
 VERSION = 1
@@ -65,10 +67,29 @@ def encode_payload(
     return json.dumps(doc, separators=(",", ":")), digest
 
 
-def decode_payload(text: str) -> Payload:
+def decode_payload(text: str, hidden_size: int | None = None) -> Payload:
+    """A worker's read of the API server's payload, checked in full before a table
+    slot is given to it (ValueError otherwise): its phase, hooks and, with
+    ``hidden_size``, every vector's length, and its digest recomputed. Workers share a
+    slot between requests of one digest, so a digest that did not match its vectors
+    would steer other requests with them; a bad length or phase raised inside the
+    step's table fill, in the engine core."""
     doc = json.loads(text)
     if doc.get("v") != VERSION:
         raise ValueError(f"unsupported steering payload version {doc.get('v')!r}")
     sites = {(str(h), int(layer)): b64_to_f32(data) for h, layer, data in doc["sites"]}
     clamps = decode_resolved(doc.get("clamps", ()))
-    return Payload(phase=str(doc["phase"]), sites=sites, digest=str(doc["digest"]), clamps=clamps)
+    phase = str(doc["phase"])
+    if not is_phase(phase):
+        raise ValueError(f"not a steering phase: {phase!r}")
+    for hook, _ in (*sites, *(c.site for c in clamps)):
+        if hook not in HOOKS:
+            raise ValueError(f"not a hook: {hook!r}")
+    if hidden_size is not None:
+        vectors = (*sites.values(), *(c.direction for c in clamps))
+        if any(v.shape != (hidden_size,) for v in vectors):
+            raise ValueError(f"a vector is not {hidden_size} long")
+    digest = steering_digest(phase, sites, clamps)
+    if doc["digest"] != digest:
+        raise ValueError("the digest does not match the steering")
+    return Payload(phase=phase, sites=sites, digest=digest, clamps=clamps)

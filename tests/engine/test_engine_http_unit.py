@@ -73,6 +73,7 @@ def fake_vllm() -> tuple[FastAPI, list[dict[str, Any]]]:
     app.post("/v1/chat/completions")(completion)
     app.post("/v1/completions")(completion)
     app.post("/v1/responses")(completion)
+    app.post("/inference/v1/generate")(completion)  # token in, token out (scale-out)
     app.get("/health")(lambda: JSONResponse({}))
     return app, seen
 
@@ -370,6 +371,21 @@ async def test_forged_payload_is_stripped_from_unsteered_requests(env) -> None:
     )
     assert seen[0]["vllm_xargs"] == {"keep": "y"} and "cache_salt" not in seen[0]
     assert seen[1]["vllm_xargs"] == {}
+
+
+async def test_forged_payload_is_stripped_from_sampling_params_extra_args(env) -> None:
+    """vLLM's token-in, token-out route (``/inference/v1/generate``, served with
+    ``--enable-scale-out`` or ``--tokens-only``) takes SamplingParams as sent, and
+    their ``extra_args`` reach the workers: a payload there used to pass the strip."""
+    client, seen, _ = env
+    forged = {"steergate": "forged", "steergate_capture": "{}", "keep": 1}
+    r = await client.post(
+        "/inference/v1/generate",
+        headers=AUTH,
+        json={"token_ids": [1, 2], "sampling_params": {"max_tokens": 2, "extra_args": forged}},
+    )
+    assert r.status_code == 200, r.text
+    assert seen[0]["sampling_params"]["extra_args"] == {"keep": 1}
 
 
 async def test_cache_salt_without_client_salt_and_when_too_long(env) -> None:

@@ -244,14 +244,18 @@ def _conversation_id(value: Any) -> str | None:
 
 def _strip_xargs(doc: dict[str, Any]) -> bool:
     """Drop the keys workers trust (steering and capture payloads) from a client's
-    ``vllm_xargs``: only this middleware writes them."""
-    xargs = doc.get("vllm_xargs")
+    ``vllm_xargs``, and from ``sampling_params.extra_args`` (the token-in, token-out
+    route's ``/inference/v1/generate`` takes SamplingParams as they are): only this
+    middleware writes them."""
     stripped = False
-    if isinstance(xargs, dict):
-        for key in (XARGS_KEY, capture_io.XARGS_KEY):
-            if key in xargs:
-                del xargs[key]
-                stripped = True
+    params = doc.get("sampling_params")
+    extra = params.get("extra_args") if isinstance(params, dict) else None
+    for xargs in (doc.get("vllm_xargs"), extra):
+        if isinstance(xargs, dict):
+            for key in (XARGS_KEY, capture_io.XARGS_KEY):
+                if key in xargs:
+                    del xargs[key]
+                    stripped = True
     return stripped
 
 

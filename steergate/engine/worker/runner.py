@@ -163,7 +163,7 @@ def _fill(runner: Any, tables: SteeringTables, num_tokens: int) -> None:
             seen.add(req_id)
             state = runner.requests.get(req_id)
             params = getattr(state, "sampling_params", None)
-            payload = payload_of(params, req_id)
+            payload = payload_of(params, req_id, tables.hidden_size)
             if payload is not None:
                 tables.add_request(req_id, payload)
             worker_capture.register(params, req_id)
@@ -208,15 +208,16 @@ def _after_execute(execute: Callable[..., Any]) -> Callable[..., Any]:
     return execute_and_flush
 
 
-def payload_of(params: Any, req_id: str) -> Payload | None:
-    """The steering payload in a request's ``SamplingParams.extra_args``, if any."""
+def payload_of(params: Any, req_id: str, hidden_size: int | None = None) -> Payload | None:
+    """The steering payload in a request's ``SamplingParams.extra_args``, if any,
+    checked in full (``decode_payload``) before it can reach a table."""
     extra = getattr(params, "extra_args", None) or {}
     text = extra.get(XARGS_KEY)
     if not text:
         return None
     try:
-        return decode_payload(text)
-    except (ValueError, KeyError, TypeError) as exc:
+        return decode_payload(text, hidden_size)
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
         # The API server builds payloads; a bad one is our bug, not the caller's.
         # Crashing the engine would take every other request down with it.
         logger.error("steergate: request %s has an unreadable steering payload (%s); "
