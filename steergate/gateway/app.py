@@ -160,6 +160,7 @@ def create_app(
         svc = build_services(settings, redis, engine_transport=engine_transport)
         app.state.services = svc
         svc.settler.on_outcome = app.state.metrics.observe_outcome
+        svc.tenants.events.on_tenant_deleted.append(app.state.metrics.forget_tenant)
         # Accessors for the admin / usage / dashboard / metrics routers.
         app.state.settings = settings
         app.state.tenants = svc.tenants

@@ -1,7 +1,8 @@
 """Auth-cache invalidation over Redis pub/sub (``keys.EVENTS_CHANNEL``): revocations,
-rotations, limit changes and deletes are published as ``key:<id>`` / ``tenant:<id>``;
-every replica drops the affected cache entries as the message arrives (well under
-1 s), and clears its whole cache whenever its subscription (re)connects, because
+rotations, limit changes and deletes are published as ``key:<id>`` / ``tenant:<id>``,
+and a delete also as ``deleted:<id>``, on which every replica forgets what else it
+keeps per tenant (``on_tenant_deleted``: its metric series); every replica drops the
+affected cache entries as the message arrives (well under 1 s), and clears its whole cache whenever its subscription (re)connects, because
 messages sent while it was away are lost. An expiry (a key's ``expires_at``, a
 rotated secret's grace end) is not an event: it is checked against the clock on every
 use of a cached entry."""
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 
 from steergate.gateway.store import key_names as keys
 from steergate.gateway.store.connection import Redis, is_cluster
@@ -25,6 +27,8 @@ class Invalidations:
     def __init__(self, redis: Redis, cache: AuthCache) -> None:
         self.redis = redis
         self.cache = cache
+        #: Called with a deleted tenant's id, on every replica (set by the lifespan).
+        self.on_tenant_deleted: list[Callable[[str], None]] = []
 
     async def publish(self, message: str) -> None:
         await self.redis.publish(keys.EVENTS_CHANNEL, message)
@@ -35,6 +39,10 @@ class Invalidations:
             self.cache.drop_key(ident)
         elif kind == "tenant":
             self.cache.drop_tenant(ident)
+        elif kind == "deleted":
+            self.cache.drop_tenant(ident)
+            for forget in self.on_tenant_deleted:
+                forget(ident)
 
     async def listen(self, stop: asyncio.Event) -> None:
         """Run until ``stop``: apply invalidation events; on every (re)subscribe clear

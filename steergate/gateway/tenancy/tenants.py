@@ -205,6 +205,9 @@ class TenantStore:
             )
             await self.redis.srem(keys.TENANT_INDEX, tenant_id)
             await self.events.publish(f"tenant:{tenant_id}")
+            # Its own event too: "tenant:" also stands for an update, and on a delete
+            # every replica forgets the tenant's metric series.
+            await self.events.publish(f"deleted:{tenant_id}")
         self.cache.drop_tenant(tenant_id)
         if self.on_deleted is not None:
             await self.on_deleted(tenant_id, latch_ids, vector_names)

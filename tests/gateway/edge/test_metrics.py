@@ -151,6 +151,23 @@ def test_deleted_tenant_disappears_from_the_next_scrape(ops: Ops) -> None:
     assert 'tenant="acme"' not in httpx.get(ops.url + "/metrics", headers=ADMIN).text
 
 
+def test_a_deleted_tenant_disappears_from_every_replicas_scrape(ops: Ops, start_gateway) -> None:  # type: ignore[no-untyped-def]
+    """Only the replica that served the delete forgot the tenant's series; the others
+    kept them until restart, and a tenant re-created with its id continued them."""
+    other = start_gateway(engine_urls=ops.engine_url)
+    key = traffic(ops)
+    r = httpx.get(other.url + "/v1/usage", headers={"Authorization": f"Bearer {key}"})
+    assert r.status_code == 200
+    assert 'tenant="acme"' in httpx.get(other.url + "/metrics", headers=ADMIN).text
+    assert ops.admin("DELETE", "/admin/tenants/acme").status_code == 204
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if 'tenant="acme"' not in httpx.get(other.url + "/metrics", headers=ADMIN).text:
+            break
+        time.sleep(0.1)
+    assert 'tenant="acme"' not in httpx.get(other.url + "/metrics", headers=ADMIN).text
+
+
 def test_engine_gauges_follow_the_engine_and_a_dead_engine_is_0(ops: Ops, start_gateway) -> None:  # type: ignore[no-untyped-def]
     ops.tenant("acme")
     ops.engine.plant_latch("acme~x")  # one float32 site of the stub's hidden size 8
