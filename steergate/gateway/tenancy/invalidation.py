@@ -1,11 +1,11 @@
 """Auth-cache invalidation over Redis pub/sub (``keys.EVENTS_CHANNEL``): revocations,
 rotations, limit changes and deletes are published as ``key:<id>`` / ``tenant:<id>``,
 and a delete also as ``deleted:<id>``, on which every replica forgets what else it
-keeps per tenant (``on_tenant_deleted``: its metric series); every replica drops the
-affected cache entries as the message arrives (well under 1 s), and clears its whole cache whenever its subscription (re)connects, because
-messages sent while it was away are lost. An expiry (a key's ``expires_at``, a
-rotated secret's grace end) is not an event: it is checked against the clock on every
-use of a cached entry."""
+keeps per tenant (``on_tenant_deleted``: its metric series). Every replica drops the
+affected cache entries as the message arrives (well under 1 s), and clears its whole
+cache whenever its subscription (re)connects, because messages sent while it was away
+are lost. An expiry (a key's ``expires_at``, a rotated secret's grace end) is not an
+event: it is checked against the clock on every use of a cached entry."""
 
 from __future__ import annotations
 
