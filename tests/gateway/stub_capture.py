@@ -25,6 +25,8 @@ def fake_activation(
     row = np.random.default_rng(int.from_bytes(seed[:8], "little")).normal(size=hidden)
     if "ocean" in text:
         row[0] += layer + 1
+    if "overflow" in text:  # a broken engine's activations
+        row[1] = np.inf
     return row.astype(np.float32)
 
 

@@ -144,6 +144,14 @@ async def _make(
             for layer in spec.layers
         },
     )
+    for layer, r in results.items():
+        if not np.isfinite(r.vector).all():
+            # Never stored: a vector that is not finite would turn every steered token
+            # of every later request that names it into NaN.
+            raise APIError(
+                "engine_unavailable",
+                f"The engine's activations at {spec.hook} layer {layer} were not finite.",
+            )
     report = {
         "layers": {str(layer): r.report() for layer, r in results.items()},
         "examples": {

@@ -291,3 +291,14 @@ def test_a_batch_fits_the_engines_capture_bound_on_a_wide_deep_model() -> None:
         check_capture_bytes(spec, hidden, batch)  # what the engine checks: it fits
         assert batch == BATCH or batch == 1 or spec.nbytes(hidden, batch + 1) > (64 << 20)
     assert batch_size(576, 30) == BATCH and batch_size(8192, 80) == 25
+
+
+def test_activations_that_are_not_finite_are_never_stored(
+    gateway: ServerThread, redis_url: str
+) -> None:
+    """A vector made from an engine's inf activations would turn every token steered by
+    it into NaN, in every later request that names it."""
+    key = make_tenant(redis_url, "acme")
+    r = make(gateway, key, "v", {"positive": ["overflow", "overflow x"], "negative": CITY})
+    assert r.status_code == 502 and "not finite" in r.json()["error"]["message"], r.text
+    assert get(gateway, key, "/v1/steering/vectors").json()["data"] == []
