@@ -10,6 +10,7 @@ controller; pure, no vLLM import.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from steergate.shared.codecs import encode_packed, vector_digest
+from steergate.shared.engine_api import DEFAULT_MAX_VECTOR_BYTES, DEFAULT_MAX_VECTORS
 
 FLOAT32_BYTES = 4
 
@@ -57,9 +59,24 @@ class NamedVector:
 
 
 class VectorRegistry:
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
-        self._vectors: dict[str, NamedVector] = {}
+    """A bounded cache (``max_count`` vectors, ``max_bytes``), least recently used
+    evicted: the gateway keeps every tenant's vectors in Redis and installs one again
+    when a request names a vector this engine no longer holds (409 ``vector_missing``).
+    Use (``get``, ``digest_of``) counts as recent. One vector larger than ``max_bytes``
+    is kept alone: the cap bounds what is kept beside what is in use."""
+
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.time,
+        max_count: int = DEFAULT_MAX_VECTORS,
+        max_bytes: int = DEFAULT_MAX_VECTOR_BYTES,
+    ) -> None:
+        self._vectors: OrderedDict[str, NamedVector] = OrderedDict()
         self._clock = clock
+        self.max_count = max_count
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self.evictions = 0
 
     def put(
         self, name: str, hook: str, layers: Mapping[int, np.ndarray], description: str | None = None
@@ -82,17 +99,41 @@ class VectorRegistry:
             updated=now,
         )
         self._vectors[name] = vector
+        self._vectors.move_to_end(name)
+        self.nbytes += vector.nbytes - (previous.nbytes if previous else 0)
+        while len(self._vectors) > 1 and (
+            len(self._vectors) > self.max_count or self.nbytes > self.max_bytes
+        ):
+            _, oldest = self._vectors.popitem(last=False)  # never the one just put
+            self.nbytes -= oldest.nbytes
+            self.evictions += 1
         return vector, previous is None
 
     def get(self, name: str) -> NamedVector | None:
-        return self._vectors.get(name)
+        vector = self._vectors.get(name)
+        if vector is not None:
+            self._vectors.move_to_end(name)
+        return vector
 
     def digest_of(self, name: str) -> str | None:
-        vector = self._vectors.get(name)
+        vector = self.get(name)
         return vector.digest if vector else None
 
     def delete(self, name: str) -> bool:
-        return self._vectors.pop(name, None) is not None
+        vector = self._vectors.pop(name, None)
+        if vector is None:
+            return False
+        self.nbytes -= vector.nbytes
+        return True
+
+    def status(self) -> dict[str, int]:
+        return {
+            "vectors": len(self._vectors),
+            "vector_bytes": self.nbytes,
+            "max_vectors": self.max_count,
+            "max_vector_bytes": self.max_bytes,
+            "vector_evictions": self.evictions,
+        }
 
     def list(self, prefix: str = "") -> list[NamedVector]:
         return [v for name, v in sorted(self._vectors.items()) if name.startswith(prefix)]

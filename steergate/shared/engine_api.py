@@ -79,6 +79,9 @@ MISS_CODES = frozenset({"vector_missing", "latch_missing"})
 
 DEFAULT_MAX_LATCHED_CONVERSATIONS = 1024
 DEFAULT_MAX_LATCHED_BYTES = 256 * 2**20
+#: The vector registry's caps: 16 tenants' default vector quotas (100 vectors, 64 MiB).
+DEFAULT_MAX_VECTORS = 4096
+DEFAULT_MAX_VECTOR_BYTES = 2**30
 
 
 class InvalidIdentifier(ValueError):

@@ -12,7 +12,12 @@ from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from steergate.shared.clamp import DEFAULT_MAX_CLAMPS_PER_SITE
-from steergate.shared.engine_api import DEFAULT_MAX_LATCHED_BYTES, DEFAULT_MAX_LATCHED_CONVERSATIONS
+from steergate.shared.engine_api import (
+    DEFAULT_MAX_LATCHED_BYTES,
+    DEFAULT_MAX_LATCHED_CONVERSATIONS,
+    DEFAULT_MAX_VECTOR_BYTES,
+    DEFAULT_MAX_VECTORS,
+)
 
 
 class EngineSettings(BaseSettings):
@@ -29,6 +34,15 @@ class EngineSettings(BaseSettings):
     )
     max_latched_bytes: int = Field(
         default=DEFAULT_MAX_LATCHED_BYTES, ge=0, description="Latch controller byte cap."
+    )
+    max_vectors: int = Field(
+        default=DEFAULT_MAX_VECTORS,
+        ge=1,
+        description="Vector registry count cap (least recently used evicted; the gateway "
+        "reinstalls from Redis on demand).",
+    )
+    max_vector_bytes: int = Field(
+        default=DEFAULT_MAX_VECTOR_BYTES, ge=1, description="Vector registry byte cap."
     )
     max_clamps_per_site: int = Field(
         default=DEFAULT_MAX_CLAMPS_PER_SITE,

@@ -48,7 +48,8 @@ def build_router(ref: RuntimeRef) -> APIRouter:
     @router.get(engine_api.STATUS)
     @_openai_errors
     async def status() -> Response:
-        return JSONResponse(ref.get().controller.status())
+        runtime = ref.get()
+        return JSONResponse({**runtime.controller.status(), **runtime.registry.status()})
 
     @router.get(engine_api.LATCHES)
     @_openai_errors

@@ -67,7 +67,10 @@ class SteeringRuntime:
             settings.max_latched_bytes,
             epoch or uuid.uuid4().hex,  # changes on every start: clients can tell latches were lost
         )
-        runtime = cls(model=model, shape=shape, controller=controller,
+        registry = VectorRegistry(
+            max_count=settings.max_vectors, max_bytes=settings.max_vector_bytes
+        )
+        runtime = cls(model=model, shape=shape, controller=controller, registry=registry,
                       served=served or ServedArchitecture(),
                       max_clamps=settings.max_clamps_per_site, dtype=dtype)
         if capture is not None:

@@ -369,3 +369,19 @@ def test_an_ordinary_request_is_one_redis_round_trip_and_a_restore_one_more(
         assert r[0].headers["x-steering-latch"] == "restored"
     finally:
         svc.redis.execute_command = original
+
+
+def test_a_vector_the_engines_registry_evicted_is_reinstalled_from_redis(
+    start_gateway: Any, fake_engine: FakeEngine, redis_url: str
+) -> None:
+    """The engine's registry is a bounded cache (``STEERGATE_MAX_VECTORS``): a vector
+    it evicted is installed again, from Redis, when a request names it."""
+    gw = start_gateway(**FAST_POLL)
+    key = make_tenant(redis_url, "acme")
+    fake_engine.state.runtime.registry.max_count = 1
+    assert put_vector(gw, key, "a", 0.25).status_code == 201
+    steered_by_a = text(chat(gw, key, steering={"vectors": [{"name": "a"}]}))
+    assert put_vector(gw, key, "b", -0.5).status_code == 201
+    assert set(fake_engine.state.vectors) == {"acme~b"}  # a was evicted
+    assert text(chat(gw, key, steering={"vectors": [{"name": "a"}]})) == steered_by_a
+    assert "acme~a" in fake_engine.state.vectors
