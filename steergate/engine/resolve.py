@@ -29,7 +29,6 @@ from steergate.shared.errors import APIError, InvalidField
 from steergate.shared.latch_spec import LatchSpec, accumulate, clamp_items, sum_inline
 from steergate.shared.steering import (
     DTYPE_MAX,
-    FLOAT32_MAX,
     InlineTerm,
     NamedTerm,
     SteeringRequest,
@@ -197,8 +196,8 @@ def check_in_range(
     """What a turn applies stays within the served dtype's range, where the tables hold
     it: the summed steering at each point of the stream, and each clamp's bounds (a
     clamp moves the projection to a bound: one of 1e5 is inf in float16)."""
-    limit = DTYPE_MAX.get(dtype, FLOAT32_MAX)
-    check_sites_finite(sites, limit=limit, dtype=dtype)
+    check_sites_finite(sites, dtype=dtype)
+    limit = DTYPE_MAX[dtype]
     for c in clamps:
         for bound in (c.bounds.lo, c.bounds.hi):
             if bound is not None and abs(bound) > limit:

@@ -378,14 +378,14 @@ def _check_scaled(layers: Mapping[int, np.ndarray], scale: float, param: str) ->
 def check_sites_finite(
     sites: Mapping[Site, np.ndarray],
     param: str = "steering.vectors",
-    limit: float = FLOAT32_MAX,
     dtype: str = "float32",
 ) -> None:
-    """The summed steering (inline and named terms, each scaled) must be finite, of
-    magnitude at most ``limit`` (the largest finite value of ``dtype``, the served
-    model's, where the tables hold it), at every point of the stream: every term may be
+    """The summed steering (inline and named terms, each scaled) must be finite and
+    within the range of ``dtype`` (the served model's, a key of :data:`DTYPE_MAX`: the
+    tables hold the steering in it) at every point of the stream: every term may be
     finite while their sum is not, and ``post_block`` l and ``pre_attn`` l+1 are one
     point, summed into one table row (``engine/worker/tables.py``)."""
+    limit = DTYPE_MAX[dtype]
     points: dict[Site, np.ndarray] = {}
     with np.errstate(over="ignore", invalid="ignore"):
         for site, vec in sites.items():
