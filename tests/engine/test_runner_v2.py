@@ -194,6 +194,20 @@ def test_a_preempted_request_resumes_with_its_generated_tokens_as_decode(
     assert _rows(rig, batch) == {"a": [0.0] * 4 + [3.0] * 2}
 
 
+def test_a_payload_of_the_wrong_width_is_served_unsteered_not_raised(
+    rig: SimpleNamespace,
+) -> None:
+    """The V2 hook checks a payload against the tables' hidden size, as V1's does: a
+    vector of another length raised inside the step's table fill (the engine core)."""
+    r = rig.runner
+    bad = _new("a", 3)
+    wrong = encode_payload("all", {("post_block", 0): np.ones(H + 1, np.float32)})[0]
+    bad.sampling_params.extra_args = {XARGS_KEY: wrong}
+    batch = _step(r, {"a": 3, "b": 3}, new=[bad, _new("b", 3, "all", 2.0)])
+    assert _rows(rig, batch) == {"a": [0.0] * 3, "b": [2.0] * 3}
+    assert rig.tables.num_steered_requests == 1
+
+
 def test_unsteered_batches_leave_the_index_zero(rig: SimpleNamespace) -> None:
     r = rig.runner
     _step(r, {"a": 3}, new=[_new("a", 3, "all", 1.0)])

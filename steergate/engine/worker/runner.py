@@ -208,9 +208,10 @@ def _after_execute(execute: Callable[..., Any]) -> Callable[..., Any]:
     return execute_and_flush
 
 
-def payload_of(params: Any, req_id: str, hidden_size: int | None = None) -> Payload | None:
+def payload_of(params: Any, req_id: str, hidden_size: int) -> Payload | None:
     """The steering payload in a request's ``SamplingParams.extra_args``, if any,
-    checked in full (``decode_payload``) before it can reach a table."""
+    checked in full against the tables' ``hidden_size`` (``decode_payload``) before it
+    can reach them."""
     extra = getattr(params, "extra_args", None) or {}
     text = extra.get(XARGS_KEY)
     if not text:

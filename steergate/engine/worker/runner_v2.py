@@ -101,7 +101,7 @@ def _after_add(add: Callable[..., Any]) -> Callable[..., Any]:
         tables: SteeringTables | None = getattr(self, "_steergate", None)
         if tables is not None:
             for new in scheduler_output.scheduled_new_reqs:
-                payload = payload_of(new.sampling_params, new.req_id)
+                payload = payload_of(new.sampling_params, new.req_id, tables.hidden_size)
                 if payload is not None:
                     tables.add_request(new.req_id, payload)
                 capture.register(new.sampling_params, new.req_id)
