@@ -28,6 +28,7 @@ from steergate.cli.tables import (
     admin_key_table,
     audit_table,
     capacity_table,
+    console,
     fmt_time,
     key_table,
     print_tenant_usage,
@@ -336,18 +337,7 @@ def _run(
         args = parser.parse_args(list(argv))
     except SystemExit as exc:  # argparse already printed why
         return int(exc.code or 0)
-    # Not a terminal (a pipe, a file, CI): no width to fit, so tables are never cut or
-    # wrapped at rich's default of 80 columns.
-    # No markup or emoji codes: every cell is the gateway's data (a tenant or key name,
-    # an audit field), shown as it is; "[/]" in a name used to crash the table.
-    out = Console(
-        highlight=False,
-        markup=False,
-        emoji=False,
-        soft_wrap=False,
-        width=None if sys.stdout.isatty() else 10_000,
-    )
-    err = Console(stderr=True, highlight=False, markup=False, emoji=False)
+    out, err = console(), console(stderr=True)
     admin_key = os.environ.get("STEERGATE_ADMIN_KEY", "")
     if not admin_key:
         err.print("error: set STEERGATE_ADMIN_KEY to the gateway's admin key", markup=False)

@@ -8,6 +8,7 @@ Only masked key prefixes are ever rendered here; the one full key the CLI prints
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Sequence
 from datetime import datetime, timezone
@@ -17,6 +18,22 @@ from rich.console import Console
 from rich.table import Table
 
 from steergate.gateway.admission.units import format_bytes, format_percent
+
+
+def console(stderr: bool = False) -> Console:
+    """Where every ``steergate`` command prints: the gateway's data as text, never rich
+    markup or emoji codes ("[/]" in a tenant name crashed a table, "[link=…]" became a
+    link), no highlighting. Standard output that is not a terminal (a pipe, a file, CI)
+    has no width to fit, so tables are never cut or wrapped at rich's default of 80."""
+    if stderr:
+        return Console(stderr=True, highlight=False, markup=False, emoji=False)
+    return Console(
+        highlight=False,
+        markup=False,
+        emoji=False,
+        soft_wrap=False,
+        width=None if sys.stdout.isatty() else 10_000,
+    )
 
 QUOTAS: tuple[tuple[str, str, bool], ...] = (
     # usage key, column title, is a byte quantity

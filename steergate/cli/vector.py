@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
-from rich.console import Console
 from rich.table import Table
 
 from steergate.cli.admin import DEFAULT_URL
+from steergate.cli.tables import console
 
 HOOKS = ("pre_attn", "post_attn", "post_block")
 #: Making a vector runs every example through the model: minutes on a busy CPU.
@@ -120,7 +119,7 @@ def main(argv: Sequence[str]) -> int:
         args = _parser().parse_args(list(argv))
     except SystemExit as exc:
         return int(exc.code or 0)
-    err = Console(stderr=True, highlight=False, markup=False, emoji=False)
+    err = console(stderr=True)
     key = os.environ.get("STEERGATE_API_KEY", "")
     if not key:
         err.print("error: set STEERGATE_API_KEY to the tenant's API key", markup=False)
@@ -145,13 +144,7 @@ def main(argv: Sequence[str]) -> int:
     if r.status_code >= 400:
         err.print(f"error: {_describe(r)}", markup=False)
         return 1
-    out = Console(
-        highlight=False,
-        markup=False,
-        emoji=False,
-        soft_wrap=False,
-        width=None if sys.stdout.isatty() else 10_000,
-    )
+    out = console()
     doc = r.json()
     if args.json:
         out.print_json(data=doc)
