@@ -99,7 +99,7 @@ class AdminClient:
         return response
 
 
-def _seg(value: str, what: str) -> str:
+def path_segment(value: str, what: str) -> str:
     """``value`` as one path segment. An id given on the command line is put in a URL
     path: unquoted, ``key revoke ../tenants/acme`` was sent (the client resolves dot
     segments) as ``DELETE /admin/tenants/acme``, a tenant deleted without its prompt."""
@@ -364,7 +364,7 @@ def _tenant_action(client: AdminClient, args: argparse.Namespace, out: Console) 
         tenants = _rows(client.call("GET", "/admin/tenants"), "tenants")
         _emit(out, args, tenants, lambda: tenant_table(tenants, "tenants"))
     elif args.action == "show":
-        path = f"/admin/tenants/{_seg(args.id, 'tenant id')}"
+        path = f"/admin/tenants/{path_segment(args.id, 'tenant id')}"
         tenant = client.call("GET", path)
         keys = _rows(client.call("GET", f"{path}/keys"), "keys")
         usage = _rows(client.call("GET", "/admin/usage", params={"tenant": args.id}), "tenants")
@@ -382,11 +382,11 @@ def _tenant_action(client: AdminClient, args: argparse.Namespace, out: Console) 
             body["allow_overcommit"] = True
         if not body:
             raise CLIError("nothing to update: pass --name or a limit flag", exit_code=2)
-        path = f"/admin/tenants/{_seg(args.id, 'tenant id')}"
+        path = f"/admin/tenants/{path_segment(args.id, 'tenant id')}"
         tenant = client.call("PATCH", path, json=body)
         _emit(out, args, tenant, lambda: tenant_table([tenant], f"updated tenant {args.id}"))
     elif args.action == "delete":
-        path = f"/admin/tenants/{_seg(args.id, 'tenant id')}"
+        path = f"/admin/tenants/{path_segment(args.id, 'tenant id')}"
         _confirm(args.yes, f"delete tenant {args.id!r} with its keys, latches and vectors?")
         client.call("DELETE", path)
         _emit(out, args, {"deleted": args.id}, lambda: f"deleted tenant {args.id}")
@@ -410,19 +410,19 @@ def _key_action(client: AdminClient, args: argparse.Namespace, out: Console) -> 
         }
         if limits:
             body["limits"] = limits
-        path = f"/admin/tenants/{_seg(args.tenant, 'tenant id')}/keys"
+        path = f"/admin/tenants/{path_segment(args.tenant, 'tenant id')}/keys"
         created = client.call("POST", path, json=body)
         _print_secret(out, args, created, f"key id {created['key_id']} for tenant {args.tenant}")
     elif args.action == "list":
-        path = f"/admin/tenants/{_seg(args.tenant, 'tenant id')}/keys"
+        path = f"/admin/tenants/{path_segment(args.tenant, 'tenant id')}/keys"
         keys = _rows(client.call("GET", path), "keys")
         _emit(out, args, keys, lambda: key_table(keys, f"keys of {args.tenant}"))
     elif args.action == "revoke":
-        client.call("DELETE", f"/admin/keys/{_seg(args.key_id, 'key id')}")
+        client.call("DELETE", f"/admin/keys/{path_segment(args.key_id, 'key id')}")
         _emit(out, args, {"revoked": args.key_id}, lambda: f"revoked key {args.key_id}")
     elif args.action == "rotate":
         body = {} if args.grace is None else {"grace_s": int(args.grace)}
-        path = f"/admin/keys/{_seg(args.key_id, 'key id')}/rotate"
+        path = f"/admin/keys/{path_segment(args.key_id, 'key id')}/rotate"
         rotated = client.call("POST", path, json=body)
         until = rotated.get("previous_expires_at")
         old = f"the old one works until {fmt_time(until)}" if until else "the old one is revoked"
@@ -440,7 +440,7 @@ def _admin_key_action(client: AdminClient, args: argparse.Namespace, out: Consol
         keys = _rows(client.call("GET", "/admin/keys"), "keys")
         _emit(out, args, keys, lambda: admin_key_table(keys, "admin keys"))
     elif args.action == "revoke":
-        client.call("DELETE", f"/admin/keys/{_seg(args.key_id, 'key id')}")
+        client.call("DELETE", f"/admin/keys/{path_segment(args.key_id, 'key id')}")
         _emit(out, args, {"revoked": args.key_id}, lambda: f"revoked key {args.key_id}")
 
 
@@ -531,7 +531,7 @@ def _usage_export(client: AdminClient, args: argparse.Namespace, out: Console) -
     params = {"start": args.since, "group_by": args.group_by or "day"}
     if args.until is not None:
         params["end"] = args.until
-    path = f"/admin/tenants/{_seg(tenant, 'tenant id')}/usage/export"
+    path = f"/admin/tenants/{path_segment(tenant, 'tenant id')}/usage/export"
     if args.csv:
         sys.stdout.write(client.call_text("GET", path, params={**params, "format": "csv"}))
         return

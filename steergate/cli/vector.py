@@ -20,7 +20,7 @@ import httpx
 import orjson
 from rich.table import Table
 
-from steergate.cli.admin import DEFAULT_URL
+from steergate.cli.admin import DEFAULT_URL, CLIError, path_segment
 from steergate.cli.tables import console
 
 HOOKS = ("pre_attn", "post_attn", "post_block")
@@ -129,7 +129,12 @@ def main(argv: Sequence[str]) -> int:
     except ExampleFileError as exc:
         err.print(f"error: {exc}", markup=False)
         return 2
-    url = f"{args.url.rstrip('/')}/v1/steering/vectors/{args.name}/from-examples"
+    try:
+        name = path_segment(args.name, "vector name")
+    except CLIError as exc:
+        err.print(f"error: {exc}", markup=False)
+        return exc.exit_code
+    url = f"{args.url.rstrip('/')}/v1/steering/vectors/{name}/from-examples"
     try:
         r = httpx.post(
             url, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=TIMEOUT_S

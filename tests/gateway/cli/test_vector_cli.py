@@ -73,6 +73,10 @@ def test_from_examples_makes_the_vector_and_prints_the_report(
     code = main([*argv, "--layers", "99", "--url", gateway.url])
     _, err = capsys.readouterr()
     assert code == 1 and "layers[0]" in err
+    # A name is one path segment: ".." was resolved by the client into another route.
+    code = main(["vector", "from-examples", "..", *argv[3:], "--url", gateway.url])
+    _, err = capsys.readouterr()
+    assert code == 2 and "not a vector name" in err
 
 
 def test_without_a_key_it_says_which_variable(
