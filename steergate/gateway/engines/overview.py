@@ -40,20 +40,17 @@ class CapacityUse(BaseModel):
 
 
 async def _status(engines: EngineClient, engine: Engine, timeout_s: float) -> EngineStatus:
-    status = await _ask(engines, engine, timeout_s)
-    return status.model_copy(update={"url": engine.shown})
-
-
-async def _ask(engines: EngineClient, engine: Engine, timeout_s: float) -> EngineStatus:
+    """Shown by ``engine.shown``: its URL without credentials."""
+    url = engine.shown
     try:
         body = await asyncio.wait_for(engines.status(engine), timeout_s)
     except asyncio.TimeoutError:
-        return EngineStatus(url=engine.url, up=False, info=engine.info, error="status timed out")
+        return EngineStatus(url=url, up=False, info=engine.info, error="status timed out")
     except APIError as exc:
-        return EngineStatus(url=engine.url, up=False, info=engine.info, error=exc.message)
+        return EngineStatus(url=url, up=False, info=engine.info, error=exc.message)
     except ValueError:
-        return EngineStatus(url=engine.url, up=False, info=engine.info, error="status was not JSON")
-    return EngineStatus(url=engine.url, up=True, status=body, info=engine.info)
+        return EngineStatus(url=url, up=False, info=engine.info, error="status was not JSON")
+    return EngineStatus(url=url, up=True, status=body, info=engine.info)
 
 
 async def engine_statuses(
