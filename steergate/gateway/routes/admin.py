@@ -98,7 +98,7 @@ def _body_doc(model: type[BaseModel]) -> dict[str, Any]:
 class KeyCreateBody(BaseModel):
     """``POST /admin/tenants/{id}/keys`` (documentation only; every field optional)."""
 
-    name: str = Field(default="", max_length=200)
+    name: str = Field(default="", max_length=MAX_NAME)
     expires_at: float | None = Field(
         default=None, description="unix seconds; past it the key is 401 expired_api_key"
     )
@@ -125,7 +125,7 @@ class AdminKeyCreateBody(BaseModel):
     """``POST /admin/keys``."""
 
     role: str = Field(description=" or ".join(ADMIN_ROLES))
-    name: str = Field(default="", max_length=200)
+    name: str = Field(default="", max_length=MAX_NAME)
 
 
 def _store(request: Request) -> TenantStore:
