@@ -31,7 +31,7 @@ async def test_key_is_random_256_bit_and_only_its_hmac_is_stored(store: TenantSt
     await store.create("acme")
     key_id, key, prefix = await store.create_key("acme")
     assert key.startswith("sk-sg-") and len(key) == 6 + 43 and prefix == key[:12]
-    dump = {k: await store.redis.dump(k) for k in await store.redis.keys("*")}
+    dump = {k: await store.redis.dump(k) async for k in store.redis.scan_iter(match="*")}
     assert all(key.encode() not in (v or b"") for v in dump.values())
     assert await store.redis.exists(keys.key_lookup(apikeys.hash_key(PEPPER, key)))
     assert (await store.resolve_key(key)).id == "acme"  # type: ignore[union-attr]
@@ -178,7 +178,7 @@ async def test_delete_clears_every_tenant_key_and_calls_engine_cleanup(redis_url
     await client.hset(keys.usage_minute("acme", int(time.time()) // 60), "requests", 3)
     assert await store.delete("acme") is True
     assert await store.resolve_key(key) is None
-    left = await client.keys("*")
+    left = [k async for k in client.scan_iter(match="*")]
     assert not [k for k in left if "acme" in k], left
     assert seen == [("acme", ["c1"], ["calm"])]
     assert await store.delete("acme") is False
