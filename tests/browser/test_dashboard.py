@@ -218,6 +218,30 @@ def test_revoked_key_signs_the_page_out(page, ops: Ops) -> None:  # type: ignore
     assert page.evaluate("sessionStorage.length") == 0
 
 
+def test_a_key_lacking_a_scope_is_told_which(page, ops: Ops) -> None:  # type: ignore[no-untyped-def]
+    """A `usage`-only key (the docs' "reporting" key) gets the tenant view, its latch and
+    vector sections saying which scope it lacks, and stays signed in across refreshes; a
+    key without `usage` is told that scope is missing, not that it is unknown."""
+    ops.tenant("acme")
+    reporting = ops.admin("POST", "/admin/tenants/acme/keys", json={"scopes": ["usage"]}).json()
+    sign_in(page, ops, reporting["key"])
+    page.locator("#tenant-view").wait_for(state="visible")
+    page.locator("#latches tbody", has_text="lacks the latches scope").wait_for()
+    page.locator("#vectors tbody", has_text="lacks the vectors scope").wait_for()
+    page.wait_for_timeout(REFRESH_WAIT_MS // 2)  # several refreshes: still signed in
+    assert page.locator("#tenant-view").is_visible()
+    assert page.evaluate("sessionStorage.length") == 1
+
+    page.evaluate("sessionStorage.clear()")  # the next load opens the sign-in form
+    inference = ops.admin(
+        "POST", "/admin/tenants/acme/keys", json={"scopes": ["inference"]}
+    ).json()
+    sign_in(page, ops, inference["key"])
+    page.get_by_role("alert").get_by_text("lacks the usage scope").wait_for()
+    assert page.locator("#tenant-view").is_hidden() and page.locator("#admin-view").is_hidden()
+    assert page.evaluate("sessionStorage.length") == 0
+
+
 def test_narrow_window_has_no_page_wide_horizontal_scroll(browser, ops: Ops) -> None:  # type: ignore[no-untyped-def]
     key = ops.tenant("acme")
     ops.chat(

@@ -132,20 +132,36 @@
 
   const listOf = (doc, field) => (Array.isArray(doc) ? doc : (doc && (doc[field] || doc.data)) || []);
 
-  /** Which view a key opens: a tenant key answers /v1/usage, the admin key /admin/usage. */
+  /** Which view a key opens: a tenant key answers /v1/usage, the admin key /admin/usage.
+   *  A tenant key without the `usage` scope is "no-usage-scope": valid, but its view
+   *  is built on /v1/usage, so the page says which scope it lacks. */
   async function detectRole(key) {
+    let scopeless = false;
     try {
       await api("/v1/usage", key);
       return "tenant";
     } catch (err) {
       if (!(err instanceof HttpError) || err.status >= 500) throw err;
+      scopeless = err.code === "insufficient_scope";
     }
+    if (scopeless) return "no-usage-scope";
     try {
       await api("/admin/usage", key);
       return "admin";
     } catch (err) {
       if (!(err instanceof HttpError) || err.status >= 500) throw err;
       return null;
+    }
+  }
+
+  /** A tenant section's list, or null when the key lacks that section's scope (the
+   *  section then says so, and the rest of the view still refreshes). */
+  async function scopedList(path, field) {
+    try {
+      return listOf(await api(path), field);
+    } catch (err) {
+      if (err instanceof HttpError && err.code === "insufficient_scope") return null;
+      throw err;
     }
   }
 
@@ -156,6 +172,13 @@
     $("signin-button").disabled = true;
     try {
       const role = await detectRole(key);
+      if (role === "no-usage-scope") {
+        $("signin-error").textContent =
+          "That key is valid but lacks the usage scope, which the dashboard needs " +
+          "(it reads /v1/usage). Use a key with the usage scope.";
+        sessionStorage.removeItem(STORAGE_KEY);
+        return;
+      }
       if (!role) {
         $("signin-error").textContent =
           "That key was not accepted: it is unknown, revoked or mistyped.";
@@ -224,8 +247,8 @@
   async function refreshTenant() {
     const [usage, latches, vectors] = await Promise.all([
       api("/v1/usage"),
-      api("/v1/steering/latches"),
-      api("/v1/steering/vectors"),
+      scopedList("/v1/steering/latches", "latches"),
+      scopedList("/v1/steering/vectors", "vectors"),
     ]);
     const id = usage.tenant_id;
     $("who-label").textContent = `Tenant ${id}`;
@@ -242,8 +265,8 @@
     renderChart($("chart-tokens"), history, "tokens", q.tokens_per_minute, "tokens");
     renderCounts($("responses"), CLASSES.map((c) => [c, (usage.responses || {})[c] || 0]));
     renderCounts($("rejections"), Object.entries(usage.rejections || {}));
-    renderLatches(listOf(latches, "latches"));
-    renderVectors(listOf(vectors, "vectors"));
+    renderLatches(latches);
+    renderVectors(vectors);
   }
 
   /** One card per quota. ``used`` for the two rates is the limiter's window (it
@@ -355,6 +378,10 @@
   }
 
   function renderLatches(items) {
+    if (items === null) {
+      $("latches").tBodies[0].replaceChildren(emptyRow(4, "This key lacks the latches scope."));
+      return;
+    }
     items.sort((a, b) => toMillis(b.last_used) - toMillis(a.last_used));
     const rows = items.map((l) =>
       el("tr", {},
@@ -366,6 +393,10 @@
   }
 
   function renderVectors(items) {
+    if (items === null) {
+      $("vectors").tBodies[0].replaceChildren(emptyRow(6, "This key lacks the vectors scope."));
+      return;
+    }
     items.sort((a, b) => String(a.name).localeCompare(String(b.name)));
     const rows = items.map((v) =>
       el("tr", {},
