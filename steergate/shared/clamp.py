@@ -212,8 +212,15 @@ def encode_items(items: Iterable[ClampItem]) -> list[dict[str, Any]]:
     return out
 
 
+#: How far a stored direction's norm may be from 1: float32 rounding of a unit vector
+#: moves it by about 1e-7 per sqrt(element); anything further was not written by us.
+_UNIT_TOLERANCE = 1e-4
+
+
 def decode_items(docs: Any, hooks: Iterable[str]) -> tuple[ClampItem, ...]:
-    """Inverse of :func:`encode_items`; raises ValueError/KeyError/TypeError on junk."""
+    """Inverse of :func:`encode_items`; raises ValueError/KeyError/TypeError on junk.
+    Holds what :func:`parse_bounds` and :func:`unit` guarantee of a parsed term (a
+    bound, ``min <= max``, unit directions): a stored latch is input too."""
     allowed = set(hooks)
     items = []
     for doc in docs:
@@ -221,6 +228,10 @@ def decode_items(docs: Any, hooks: Iterable[str]) -> tuple[ClampItem, ...]:
         bounds = Bounds(_opt(lo), _opt(hi), float(s))
         if not 0.0 <= bounds.strength <= 1.0:
             raise ValueError("bad strength")
+        if bounds.lo is None and bounds.hi is None:
+            raise ValueError("a clamp without a bound")
+        if bounds.lo is not None and bounds.hi is not None and bounds.lo > bounds.hi:
+            raise ValueError("clamp min above max")
         if "ref" in doc:
             name, digest = doc["ref"]
             items.append(ClampItem(bounds, ref=(str(name), str(digest))))
@@ -232,6 +243,8 @@ def decode_items(docs: Any, hooks: Iterable[str]) -> tuple[ClampItem, ...]:
             vec = b64_to_f32(data)
             if not np.isfinite(vec).all():
                 raise ValueError("non-finite clamp direction")
+            if abs(float(np.linalg.norm(vec.astype(np.float64))) - 1.0) > _UNIT_TOLERANCE:
+                raise ValueError("clamp direction not of unit length")
             sites[(hook, layer)] = vec
         items.append(ClampItem(bounds, sites=sites))
     return tuple(items)

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from steergate.engine.latch import Latch
+from steergate.shared.clamp import Bounds, ClampItem
 from steergate.shared.engine_api import EXPECT_FIELD
 from steergate.shared.latch_spec import LatchSpec, decode_spec
 from tests.engine.test_engine_http_unit import (
@@ -151,6 +152,25 @@ async def test_expecting_no_latch_drops_a_cached_copy(env) -> None:  # noqa: F81
     assert plugin.runtime.get().controller.get("t~c") is None
 
 
+_UNIT = np.eye(HIDDEN, dtype=np.float32)[0]
+
+
+def _clamp_spec(bounds: Bounds, direction: np.ndarray) -> str:
+    item = ClampItem(bounds, sites={("post_block", 0): direction})
+    return LatchSpec("all", {}, (), (item,)).encode()
+
+
+async def test_a_restored_well_formed_clamp_is_accepted(env) -> None:  # noqa: F811
+    """The counterpart of the refused clamps below: the same spec with sound bounds."""
+    client, seen, plugin = env
+    r = await post(
+        client,
+        conversation_id="t~c",
+        **{EXPECT_FIELD: {"restore": _clamp_spec(Bounds(0.0, 1.0), _UNIT)}},
+    )
+    assert r.status_code == 200 and r.headers["x-steering-latch"] == "restored", r.text
+
+
 async def test_bad_expectations_are_400s_naming_the_field(env) -> None:  # noqa: F811
     client, seen, plugin = env
     for bad, param in [
@@ -170,6 +190,16 @@ async def test_bad_expectations_are_400s_naming_the_field(env) -> None:  # noqa:
         (
             {"restore": LatchSpec("all", {("post_block", 0): np.ones(3, np.float32)}).encode()},
             f"{EXPECT_FIELD}.restore",
+        ),
+        # a clamp the request parser could never have made: min above max, no bound, a
+        # direction that is not of unit length (it would scale the projection)
+        *(
+            ({"restore": _clamp_spec(bounds, direction)}, f"{EXPECT_FIELD}.restore")
+            for bounds, direction in [
+                (Bounds(2.0, 1.0), _UNIT),
+                (Bounds(None, None), _UNIT),
+                (Bounds(0.0, 0.0), 3.0 * _UNIT),
+            ]
         ),
     ]:
         r = await post(client, conversation_id="t~c", **{EXPECT_FIELD: bad})
