@@ -22,18 +22,20 @@ _UNITS: dict[str, int] = {
     "gb": 1000**3,
     "gib": 1024**3,
 }
-# ASCII digits only (``\d`` would take "١٢" as 12), at most one space, before the unit
-# (as format_bytes writes it), and at most 15 digits, so float() never reaches inf.
-_SIZE_RE = re.compile(r"([0-9]{1,15}(?:\.[0-9]{1,15})?) ?([a-zA-Z]{0,3})")
+# ASCII digits only (``\d`` would take "١٢" as 12), at most one space, and only before
+# a unit (as format_bytes writes it: "64 KiB", never "64 "), and at most 15 digits, so
+# float() never reaches inf.
+_SIZE_RE = re.compile(r"([0-9]{1,15}(?:\.[0-9]{1,15})?)(?: ?([a-zA-Z]{1,3}))?")
 
 
 def parse_bytes(text: str) -> int:
     """``"256MiB"`` -> 268435456. Bare numbers are bytes; ``k``/``m``/``g`` are binary
     (as in ``ulimit``), ``kB``/``MB``/``GB`` decimal. Raises ValueError on anything else."""
     match = _SIZE_RE.fullmatch(text)
-    if not match or match.group(2).lower() not in _UNITS:
+    unit = (match.group(2) or "").lower() if match else None
+    if match is None or unit not in _UNITS:
         raise ValueError(f"not a size: {text!r} (examples: 4096, 64KiB, 256MiB, 1GiB)")
-    value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    value = float(match.group(1)) * _UNITS[unit]
     if value != int(value):
         raise ValueError(f"not a whole number of bytes: {text!r}")
     return int(value)

@@ -149,7 +149,9 @@ def test_sizes_parse_and_format_in_binary_units() -> None:
     assert parse_bytes("64KiB") == parse_bytes("64k") == 65536
     assert parse_bytes("256MiB") == 268435456
     assert parse_bytes("1GB") == 10**9 and parse_bytes("1.5KiB") == 1536
-    for bad in ("", "lots", "1.3B", "-5", "5 parsecs"):
+    assert parse_bytes("64 KiB") == 65536  # as format_bytes writes it
+    # a space only before a unit ("64 " was taken as 64: the property test found it)
+    for bad in ("", "lots", "1.3B", "-5", "5 parsecs", "64 ", "0 ", " 64", "64  KiB"):
         with pytest.raises(ValueError):
             parse_bytes(bad)
     assert format_bytes(268435456) == "256 MiB"
