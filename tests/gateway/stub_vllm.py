@@ -39,6 +39,10 @@ def error_for(body: dict[str, Any]) -> JSONResponse | None:
     if isinstance(max_tokens, int) and max_tokens < 1:
         msg = f"max_tokens must be at least 1, got {max_tokens}."
         return JSONResponse(vllm_error(msg, 400, "BadRequestError", "max_tokens"), 400)
+    if "prompt" in body and not _is_prompt(body["prompt"]):
+        # vLLM's request model: a string, a list of token ids, or a list of either
+        msg = "prompt: Input should be a valid string or a list of strings or token ids"
+        return JSONResponse(vllm_error(msg, 400, "BadRequestError", "prompt"), 400)
     if body.get("model") == UNKNOWN_MODEL:
         msg = f"The model `{UNKNOWN_MODEL}` does not exist. Valid aliases: {MODEL}."
         return JSONResponse(vllm_error(msg, 404, "NotFoundError", "model"), 404)
@@ -48,6 +52,21 @@ def error_for(body: dict[str, Any]) -> JSONResponse | None:
         )
         return JSONResponse(vllm_error(msg, 400, "BadRequestError"), 400)
     return None
+
+
+def _is_prompt(prompt: Any) -> bool:
+    def tokens(x: Any) -> bool:
+        return isinstance(x, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in x
+        )
+
+    if isinstance(prompt, str) or tokens(prompt):
+        return True
+    return (
+        isinstance(prompt, list)
+        and bool(prompt)
+        and all(isinstance(p, str) or (tokens(p) and p) for p in prompt)
+    )
 
 
 def stream_error_event() -> bytes:

@@ -184,6 +184,17 @@ def test_vllm_errors_reach_the_client_in_the_openai_shape(gateway: ServerThread,
     assert_openai_error(r, 500, "internal_error")
     r = httpx.post(f"{gateway.url}/v1/detokenize", headers=h(key), json={"tokens": "not a list"})
     assert assert_openai_error(r, 400, "invalid_request")["param"] == "tokens"
+    capture = {"sites": [{"hook": "post_block", "layers": [0]}], "tokens": "prompt"}
+    for extra in ({}, {"capture": capture}):  # with a capture too (the stub fakes its files)
+        for prompt in ({"x": 1}, 5, [1, "a"], [{"x": 1}]):
+            r = httpx.post(
+                f"{gateway.url}/v1/completions",
+                headers=h(key),
+                json={"prompt": prompt, "max_tokens": 1, **extra},
+            )
+            assert r.status_code == 400, (prompt, extra, r.text)
+            err = assert_openai_error(r, 400, "invalid_request")
+            assert err["param"] == "prompt", (prompt, extra, err)
 
 
 def test_a_streamed_vllm_error_has_a_string_code(gateway: ServerThread, key: str) -> None:
