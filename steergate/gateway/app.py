@@ -141,7 +141,7 @@ def build_services(
         ),
         settler=settler,
         bodies=BodyParser(settings.body_parse_workers, InlineBudget.of(settings)),
-        contrast=ContrastJobs(),
+        contrast=ContrastJobs(memory_bytes=settings.examples_memory_bytes),
     )
 
 

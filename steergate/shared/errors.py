@@ -118,7 +118,9 @@ _CODES = (
        "allowed per request (choices x sites x rows x hidden x 4; decided up front)"),
     _e("examples_too_large", 400, _N, _GW,
        "a `from-examples` body holds more examples per side (256), characters per example "
-       "(8,000) or characters in all (400,000) than allowed; `param` names the side or example"),
+       "(8,000) or characters in all (400,000) than allowed; `param` names the side or example; "
+       "or its activations (examples x layers x hidden size x 4 bytes) would pass "
+       "`STEERGATE_EXAMPLES_MEMORY_BYTES`: `param` is `layers`"),
     _e("invalid_api_key", 401, _N, _BOTH, "missing, unknown, malformed or revoked key (on the "
        "engine: missing or wrong engine token)"),
     _e("expired_api_key", 401, _N, _GW,
@@ -191,6 +193,9 @@ _CODES = (
     _e("engine_starting", 503, _B, _EN,
        "the engine's steering plugin is not initialised yet (engine-only: the gateway routes "
        "around an engine until it answers its info route)"),
+    _e("gateway_busy", 503, _B, _GW,
+       "`from-examples`: other tenants' jobs hold the gateway's activation memory "
+       "(`STEERGATE_EXAMPLES_MEMORY_BYTES`, 2 GiB) now; nothing was charged, retrying is safe"),
     _e("engine_timeout", 504, _B, _GW,
        "the engine did not answer within `STEERGATE_ENGINE_READ_TIMEOUT_S`"),
     _e("http_error", 0, _N, _BOTH, "any other HTTP error, with the status it stands for"),

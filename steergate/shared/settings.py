@@ -110,6 +110,14 @@ class GatewaySettings(BaseSettings):
         description="Numbers one `steering.vectors[]` term may carry as JSON arrays "
         "(4 layers of hidden size 8192).",
     )
+    examples_memory_bytes: int = Field(
+        default=2 * 1024**3,
+        ge=1,
+        description="Bytes of captured activations `from-examples` jobs may hold at once, "
+        "gateway-wide (examples x layers x hidden size x 4 each; one job per tenant at a "
+        "time): a job larger than this is 400 examples_too_large, one that would pass it "
+        "with other tenants' jobs 503 gateway_busy.",
+    )
     body_parse_workers: int = Field(
         default=2,
         ge=0,

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import orjson
@@ -29,6 +30,7 @@ from fastapi import APIRouter, Request, Response
 
 from steergate.gateway.admission.metered import admitted
 from steergate.gateway.admission.request_scoping import combined_salt
+from steergate.gateway.admission.units import format_bytes
 from steergate.gateway.deps import Services, ServicesDep
 from steergate.gateway.engines.upstream import EngineUnreachable, UpstreamResponse
 from steergate.gateway.routes.inference import (
@@ -48,6 +50,7 @@ from steergate.shared.scoping import check_vector_name
 from steergate.shared.steering import FLOAT32_BYTES, ModelShape
 
 router = APIRouter(tags=["vectors"])
+T = TypeVar("T")
 
 #: Examples per engine request: one batch the engine schedules together; with every
 #: layer of a 30-layer, 576-wide model that is 2.2 MB of captured float32. Fewer on a
@@ -90,6 +93,16 @@ async def from_examples(
     body = await read_json_object(request)
     shape = await svc.engines.known_shape()
     spec = parse_examples_body(body, shape)  # every 400 before any work
+    held = spec.activation_bytes(shape.hidden_size)
+    if held > svc.contrast.memory.limit:
+        raise InvalidField(
+            "layers",
+            f"this job would hold {format_bytes(held)} of activations ({len(spec.layers)} "
+            f"layers x {len(spec.positive) + len(spec.negative)} examples x hidden size "
+            f"{shape.hidden_size} x 4 bytes); the gateway allows "
+            f"{format_bytes(svc.contrast.memory.limit)}: ask for fewer layers or examples",
+            code="examples_too_large",
+        )
     nbytes = 4 * shape.hidden_size * len(spec.layers)
     await precheck_quota(svc, tenant.id, tenant.limits, name, nbytes)  # no tokens spent in vain
     admission = svc.limiter.admit(
@@ -107,7 +120,8 @@ async def from_examples(
             # A client that leaves stops the job: its engine request is cancelled (vLLM
             # aborts it) and no later batch, vector or store runs for nobody.
             made = await unless_client_leaves(
-                _make(name, spec, tenant, svc, shape, usage), request.receive
+                _held(svc, tenant.id, held, lambda: _make(name, spec, tenant, svc, shape, usage)),
+                request.receive,
             )
         finally:
             # What the engine did is charged even when a later step failed.
@@ -123,6 +137,14 @@ async def from_examples(
             headers=call.headers,
             media_type="application/json",
         )
+
+
+async def _held(
+    svc: Services, tenant_id: str, nbytes: int, job: Callable[[], Awaitable[T]]
+) -> T:
+    """``job()`` once its activations have room (``contrast_jobs.ActivationMemory``)."""
+    async with svc.contrast.memory.hold(tenant_id, nbytes):
+        return await job()
 
 
 async def _make(

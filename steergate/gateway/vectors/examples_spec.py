@@ -53,6 +53,11 @@ class ExamplesSpec:
     def chars(self) -> int:
         return sum(_chars(e) for e in (*self.positive, *self.negative))
 
+    def activation_bytes(self, hidden_size: int) -> int:
+        """What the job holds in the gateway once captured: one float32 row per
+        example and layer."""
+        return 4 * hidden_size * len(self.layers) * (len(self.positive) + len(self.negative))
+
     @property
     def token_estimate(self) -> int:
         """What admission reserves: the prompts (the gateway's usual estimate) plus the

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import pytest
+
 from steergate.gateway.vectors.contrast_jobs import ContrastJobs
 
 
@@ -78,3 +80,39 @@ async def test_a_cancelled_caller_keeps_its_tenants_turn_until_the_math_ends() -
     finally:
         release.set()
         jobs.close()
+
+
+async def test_activation_memory_is_one_hold_per_tenant_and_refuses_past_its_bound() -> None:
+    from steergate.gateway.vectors.contrast_jobs import ActivationMemory
+    from steergate.shared.errors import APIError
+
+    memory = ActivationMemory(100)
+    entered = asyncio.Event()
+    release = asyncio.Event()
+
+    async def hold(tenant: str, nbytes: int, log: list[str]) -> None:
+        async with memory.hold(tenant, nbytes):
+            log.append(f"{tenant} in")
+            entered.set()
+            await release.wait()
+
+    log: list[str] = []
+    a1 = asyncio.ensure_future(hold("a", 60, log))
+    await entered.wait()
+    a2 = asyncio.ensure_future(hold("a", 60, log))  # waits for a1: not refused
+    await asyncio.sleep(0.05)
+    assert log == ["a in"] and memory.held == 60
+    with pytest.raises(APIError) as err:  # b would pass the bound beside a's job: at once
+        async with memory.hold("b", 50):
+            pass
+    assert err.value.code == "gateway_busy"
+    async with memory.hold("b", 40):  # within the bound beside a's: runs
+        assert memory.held == 100
+    release.set()
+    await asyncio.gather(a1, a2)
+    assert log == ["a in", "a in"] and memory.held == 0
+
+    with pytest.raises(RuntimeError):  # a job that fails gives its memory back
+        async with memory.hold("c", 100):
+            raise RuntimeError("boom")
+    assert memory.held == 0

@@ -302,3 +302,51 @@ def test_activations_that_are_not_finite_are_never_stored(
     r = make(gateway, key, "v", {"positive": ["overflow", "overflow x"], "negative": CITY})
     assert r.status_code == 502 and "not finite" in r.json()["error"]["message"], r.text
     assert get(gateway, key, "/v1/steering/vectors").json()["data"] == []
+
+
+def test_a_job_larger_than_the_gateways_activation_memory_is_refused_before_any_work(
+    start_gateway: Any, fake_engine: FakeEngine, redis_url: str
+) -> None:
+    """Each job holds examples x layers x hidden x 4 bytes of activations in the gateway;
+    with no gateway-wide bound, tenants' concurrent jobs on a wide model held gigabytes."""
+    per_example = 4 * HIDDEN * LAYERS  # every layer of the stub model
+    gw = start_gateway(examples_memory_bytes=16 * per_example)
+    key = make_tenant(redis_url, "acme")
+    body = {"layers": "all", "positive": [f"o{i}" for i in range(9)],
+            "negative": [f"c{i}" for i in range(8)]}  # fmt: skip
+    r = make(gw, key, "v", body)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "examples_too_large", r.text
+    assert err["param"] == "layers" and "fewer layers or examples" in err["message"]
+    assert not [b for b in fake_engine.state.requests if b.get("capture")]
+    body["positive"].pop()  # 16 examples: exactly the bound
+    assert make(gw, key, "v", body).status_code == 201
+
+
+def test_other_tenants_jobs_holding_the_memory_give_a_retryable_503_and_free_it(
+    start_gateway: Any, fake_engine: FakeEngine, redis_url: str
+) -> None:
+    """Tenant a's slow job holds 8 examples' activations of a 12-example bound: tenant
+    b's 8-example job is refused at once (503 gateway_busy, retryable, no tokens) rather
+    than queued behind a's; a's own second job waits its turn and succeeds; once a's
+    jobs are done, b's job runs."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    per_example = 4 * HIDDEN * LAYERS
+    gw = start_gateway(examples_memory_bytes=12 * per_example)
+    a, b = make_tenant(redis_url, "acme"), make_tenant(redis_url, "beta")
+    body = {"layers": "all", "positive": OCEAN, "negative": CITY}
+    fake_engine.state.delay_s = 1.0
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(make, gw, a, "v1", body)
+        time.sleep(0.4)  # a's first job holds its memory (its first batch is in flight)
+        second = pool.submit(make, gw, a, "v2", body)
+        r = make(gw, b, "v", body)
+        err = r.json()["error"]
+        assert r.status_code == 503 and err["code"] == "gateway_busy", r.text
+        assert r.headers["x-should-retry"] == "true"
+        assert first.result().status_code == 201 and second.result().status_code == 201
+    fake_engine.state.delay_s = 0.0
+    usage = get(gw, b, "/v1/usage").json()
+    assert usage["quotas"]["tokens_per_minute"]["used"] == 0  # nothing charged
+    assert make(gw, b, "v", body).status_code == 201
