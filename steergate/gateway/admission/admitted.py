@@ -29,6 +29,10 @@ class Admission:
     lease_expiry_ms: int = 0
     #: The API key that made the request ("" for none): its rollups and its own limits.
     key_id: str = ""
+    #: The conversation's ledger entry as this admission left it: the pending
+    #: "bytes:kind" of a latch it planned, else ``prev_latch``. Settlement undoes or
+    #: drops only this entry: one a concurrent turn wrote since is not its to change.
+    left_latch: str = ""
 
     @property
     def latch_digest(self) -> str:

@@ -224,20 +224,23 @@ class Limiter:
             raise store_unavailable()
         if status:
             raise _rejection(status, tenant, int(r[1]), headers, key_rpm, key_conc)
+        digests = {n: str(d or "") for n, d in zip(names, r[7 : 7 + n_names], strict=True)}
+        prev = str(r[6] or "")
+        # admit_request.lua plans no latch for one naming a vector the tenant lacks
+        planned = latch and bool(conversation_id) and all(digests.values())
         adm = Admission(
             tenant=tenant,
             lease_id=lease_id,
             reserved_tokens=cost,
             conversation_id=conversation_id,
             latch=latch,
-            prev_latch=str(r[6] or ""),
+            prev_latch=prev,
             evicted=[str(v) for v in r[7 + n_names :]],
             headers=headers,
-            vector_digests={
-                n: str(d or "") for n, d in zip(names, r[7 : 7 + n_names], strict=True)
-            },
+            vector_digests=digests,
             lease_expiry_ms=expiry_ms,
             key_id=key_id,
+            left_latch=f"{max(latch_bytes, _bytes_of(prev))}:{latch_kind}" if planned else prev,
         )
         if self.settler is not None:
             self.settler.leases.hold(adm)
@@ -294,3 +297,9 @@ def _rejection(
         retry=duration(retry_ms),
         period=budget.period if budget else "day",
     )
+
+
+def _bytes_of(info: str) -> int:
+    """The bytes of a ledger entry ("bytes:kind[:digest]"; "" = none)."""
+    head = info.split(":", 1)[0]
+    return int(head) if head.isdigit() else 0

@@ -11,6 +11,9 @@ vector data runs before the request is admitted (and counted):
   It also refuses steering with more inline (JSON array) numbers than an
   :class:`InlineBudget` allows, from the arrays' lengths alone: what one request may
   make the gateway convert is bounded before any of it is converted.
+- :func:`check_latching` validates the values of a request that stores a latch
+  before admission, since its admission commits the latch quota's evictions: a
+  request refused with 400 must not have dropped other conversations' latches.
 - :func:`prepare_inference` then validates the steering values against the model,
   rewrites ids to ``<tenant>~<id>``, combines the tenant's secret cache salt with the
   client's (so one tenant can never share another's prefix cache, whatever salt it
@@ -222,6 +225,41 @@ def _layer_key(layer: Any) -> Any:
     return layer if isinstance(layer, (int, str)) else repr(layer)
 
 
+def check_latching(
+    body: dict[str, Any], head: Head, shape: ModelShape | None, parsed: SteeringRequest | None
+) -> SteeringRequest | None:
+    """Every 400 of a latching request's values, before admission (its admission
+    evicts the tenant's least recently used latches to make room, and that is
+    committed). The steering parsed here (bounded by the inline budget, as after
+    admission) is what :func:`prepare_inference` uses. Other requests: ``parsed``."""
+    if not head.latch or body.get("steering") is None:
+        return parsed
+    steering = parsed if parsed is not None else parse_steering(body["steering"], shape)
+    _request_options(body, head)
+    return steering
+
+
+def _request_options(body: dict[str, Any], head: Head) -> bool:
+    """``stream_options`` and ``cache_salt`` checked; whether the client asked for a
+    stream's usage."""
+    asked = None
+    if head.stream:
+        opts = body.get("stream_options")
+        if opts is not None and not isinstance(opts, dict):
+            raise InvalidField("stream_options", "'stream_options' must be an object")
+        asked = (opts or {}).get("include_usage")
+        if asked is not None and not isinstance(asked, bool):
+            # Overwritten by prepare_inference: an invalid value would otherwise never
+            # reach vLLM's check.
+            raise InvalidField(
+                "stream_options.include_usage", "'stream_options.include_usage' must be a boolean"
+            )
+    salt = body.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise InvalidField("cache_salt", "'cache_salt' must be a string")
+    return asked is True
+
+
 def prepare_inference(
     body: dict[str, Any],
     head: Head,
@@ -248,23 +286,10 @@ def prepare_inference(
                 term["name"] = scope(tenant.id, term["name"])
         if steering.latch:
             spec = latch_spec(steering, tenant.id, vector_digests)
-    include_usage = False
+    include_usage = _request_options(body, head)
     if head.stream:
-        opts = body.get("stream_options")
-        if opts is not None and not isinstance(opts, dict):
-            raise InvalidField("stream_options", "'stream_options' must be an object")
-        asked = (opts or {}).get("include_usage")
-        if asked is not None and not isinstance(asked, bool):
-            # Overwritten below: an invalid value would otherwise never reach vLLM's check.
-            raise InvalidField(
-                "stream_options.include_usage", "'stream_options.include_usage' must be a boolean"
-            )
-        include_usage = asked is True
-        body["stream_options"] = {**(opts or {}), "include_usage": True}
-    salt = body.get("cache_salt")
-    if salt is not None and not isinstance(salt, str):
-        raise InvalidField("cache_salt", "'cache_salt' must be a string")
-    body["cache_salt"] = combined_salt(salt_secret, salt)
+        body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+    body["cache_salt"] = combined_salt(salt_secret, body.get("cache_salt"))
     return Prepared(
         scope(tenant.id, conv) if conv else None,
         steering,

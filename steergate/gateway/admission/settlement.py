@@ -469,6 +469,7 @@ class Settler:
                 prompt_tokens=prompt,
                 completion_tokens=completion,
                 key_id=a.key_id,
+                left_latch=a.left_latch,
             )
             calls.append(wire(call))
         if len(calls) == 1:  # the usual case at low load: a pipeline costs more than it saves

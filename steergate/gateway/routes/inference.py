@@ -23,11 +23,11 @@ from fastapi.routing import APIRoute
 from starlette.routing import request_response
 
 from steergate.gateway.admission.admitted import Admission
-from steergate.gateway.admission.bodies import OFF_LOOP_BYTES, Parsed, parse_body
+from steergate.gateway.admission.bodies import OFF_LOOP_BYTES, parse_body
 from steergate.gateway.admission.metered import Admitted, admitted
 from steergate.gateway.admission.request_scoping import (
     Head,
-    Prepared,
+    check_latching,
     prepare_inference,
     prescan,
     scrub,
@@ -134,6 +134,8 @@ async def proxy_inference(request: Request, path: str) -> Response:
         check_up_front(
             head.capture, body, path == engine_api.COMPLETIONS, shape.hidden_size, head.tokens
         )
+    steering = parsed.steering if parsed is not None and parsed.shape == shape else None
+    steering = check_latching(body, head, shape, steering)  # its admission evicts latches
     admission = svc.limiter.admit(
         tenant,
         tokens=head.tokens,
@@ -147,7 +149,15 @@ async def proxy_inference(request: Request, path: str) -> Response:
     async with admitted(svc.settler, admission) as call:
         adm = call.admission
         _check_names(head, adm)
-        prep = _prepare(body, head, tenant, shape, adm, parsed, svc.tenants.salt_secret(tenant))
+        prep = prepare_inference(
+            body,
+            head,
+            tenant,
+            shape,
+            adm.vector_digests,
+            steering,
+            salt_secret=svc.tenants.salt_secret(tenant),
+        )
         if is_responses and not client_stream_options:
             # The Responses API has no stream_options: its final event carries usage.
             body.pop("stream_options", None)
@@ -182,24 +192,6 @@ def _check_names(head: Head, adm: Admission) -> None:
             raise InvalidField(
                 "steering.vectors", f"no vector named '{name}'", code="unknown_vector"
             )
-
-
-def _prepare(
-    body: dict[str, Any],
-    head: Head,
-    tenant: Any,
-    shape: Any,
-    adm: Admission,
-    parsed: Parsed | None,
-    salt_secret: str,
-) -> Prepared:
-    """On the event loop: a small body's steering is bounded by the inline budget
-    (a few ms to validate at most); a large one's was validated in a worker, against
-    this shape unless the engines changed meanwhile (then it is validated again here)."""
-    steering = parsed.steering if parsed is not None and parsed.shape == shape else None
-    return prepare_inference(
-        body, head, tenant, shape, adm.vector_digests, steering, salt_secret=salt_secret
-    )
 
 
 def _latch_state(adm: Admission, engine_state: str | None) -> str:
@@ -294,8 +286,10 @@ async def _unary(
     ok = 200 <= r.status < 300
     body = scrub(r.body, tenant_id, error=not ok)
     engine_state = turn.state_override or r.headers.get(LATCH_HEADER)
-    if ok:
-        await turn.keep_latch(engine_state)
+    # Whatever the status: the engine stores a turn's latch before vLLM checks the
+    # rest of the request, and a latch vLLM's refusal left stored is said so in the
+    # header (docs/latches.md). Recorded, it is restored like any other.
+    await turn.keep_latch(engine_state)
     state = _latch_state(adm, engine_state)
     # The engine's refusal generated nothing: refunded, as a refused stream is. An answer
     # without usage keeps its reservation (-1).
@@ -355,11 +349,13 @@ async def _stream(turn: Turn, call: Admitted, on_capture: Callable[[Any], None])
             raise APIError("engine_unavailable", "The inference engine is unavailable.") from exc
         finally:
             await cm.__aexit__(None, None, None)
-        call.settle(up.status, 0, up.headers.get(LATCH_HEADER))
+        engine_state = turn.state_override or up.headers.get(LATCH_HEADER)
+        await turn.keep_latch(engine_state)  # as for a unary refusal
+        call.settle(up.status, 0, engine_state)
         return Response(
             scrub(data, tenant_id, error=True),
             status_code=up.status,
-            headers={**adm.headers, LATCH_HEADER: "none"},
+            headers={**adm.headers, LATCH_HEADER: _latch_state(adm, engine_state)},
             media_type=up.headers.get("content-type", "application/json"),
         )
     engine_state = turn.state_override or up.headers.get(LATCH_HEADER)

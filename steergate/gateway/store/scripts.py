@@ -245,6 +245,9 @@ class SettleRequest(TenantCall):
     prompt_tokens: int
     completion_tokens: int
     key_id: str  # "" = none
+    #: The ledger entry the request's admission left (``Admission.left_latch``): a
+    #: "drop" or "restore" applies only while the entry is still that one.
+    left_latch: str
 
     def keys(self) -> Sequence[str]:
         return key_names.admit_keys(self.tenant_id, self.now_ms // 60000, self.key_id)
@@ -266,6 +269,7 @@ class SettleRequest(TenantCall):
             self.completion_tokens,
             self.key_id,
             key_names.USAGE_DAY_TTL_S,
+            self.left_latch,
         ]
 
 

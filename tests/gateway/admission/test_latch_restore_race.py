@@ -83,3 +83,106 @@ def test_a_delete_during_a_failing_turn_sticks(ops: Ops) -> None:
     ops.wait_for(lambda: ops.get(key, "/v1/usage").json()["requests_made"]["total"] >= 2)
     assert _latched(ops, key) == []
     assert ops.get(key, "/v1/usage").json()["quotas"]["latch_count"]["used"] == 0
+
+
+def _text(r: httpx.Response) -> str:
+    return str(r.json()["choices"][0]["message"]["content"])
+
+
+def _steered(ops: Ops, key: str, value: float) -> str:
+    """What a turn steered by ``value`` (as ``_turn`` latches it) answers, latching nothing."""
+    steering = {"vectors": [{"hook": "post_block", "layers": {"1": [value] * HIDDEN}}]}
+    return _text(ops.chat(key, steering=steering))
+
+
+def _put(ops: Ops, key: str, name: str, value: float) -> int:
+    body = {"hook": "post_block", "layers": {"1": [value] * HIDDEN}}
+    r = httpx.put(ops.url + f"/v1/steering/vectors/{name}", json=body, headers=bearer(key))
+    return r.status_code
+
+
+def test_a_failed_turn_does_not_undo_a_latch_another_turn_recorded_meanwhile(ops: Ops) -> None:
+    """Turn A latches X on c1; turn B, admitted while A's entry was still pending,
+    latches Y and fails after A recorded X. B's settlement put back the entry it had
+    found (A's pending one, without a digest) over A's recorded X: the next turns sent
+    no expectation, so the engine bridged B's abandoned Y, and after a restart
+    nothing."""
+    key = ops.tenant("acme")
+    x = _steered(ops, key, 0.1)  # what X steers to
+
+    async def go() -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(timeout=30, headers=bearer(key)) as client:
+            url = ops.url + "/v1/chat/completions"
+
+            async def a() -> httpx.Response:
+                return await client.post(url, json=_turn("c1", 0.1, fake_delay=0.5))
+
+            async def b() -> httpx.Response:
+                await asyncio.sleep(0.1)
+                body = _turn("c1", 0.9, fake_delay=1.0, fake_raise=True)
+                return await client.post(url, json=body)
+
+            return await asyncio.gather(a(), b())
+
+    ra, rb = asyncio.run(go())
+    assert ra.status_code == 200 and ra.headers["x-steering-latch"] == "latched", ra.text
+    assert rb.status_code >= 500, rb.text
+    ops.wait_for(lambda: ops.get(key, "/v1/usage").json()["requests_made"]["total"] >= 3)
+    r = ops.chat(key, conversation_id="c1")
+    assert r.headers["x-steering-latch"] in ("bridged", "restored") and _text(r) == x
+
+
+def test_a_stale_turn_settling_late_does_not_drop_a_latch_made_since(ops: Ops) -> None:
+    """A plain turn on c1 whose by-reference latch went stale (its vector changed) is
+    answered dropped_stale; while it ran, the client latched c1 anew. The slow turn's
+    settlement then dropped whatever c1 held: the new latch and its spec."""
+    key = ops.tenant("acme")
+    assert _put(ops, key, "v", 0.2) == 201
+    by_ref = {"vectors": [{"name": "v"}], "latch": True}
+    assert ops.chat(key, conversation_id="c1", steering=by_ref).status_code == 200
+    assert _put(ops, key, "v", 0.4) == 200  # c1's latch is stale now
+    new = _steered(ops, key, 0.7)
+
+    async def go() -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(timeout=30, headers=bearer(key)) as client:
+            url = ops.url + "/v1/chat/completions"
+
+            async def stale() -> httpx.Response:
+                return await client.post(url, json=chat_body(conversation_id="c1", fake_delay=1.0))
+
+            async def relatch() -> httpx.Response:
+                await asyncio.sleep(0.2)
+                return await client.post(url, json=_turn("c1", 0.7))
+
+            return await asyncio.gather(stale(), relatch())
+
+    rs, rl = asyncio.run(go())
+    assert rs.headers["x-steering-latch"] == "dropped_stale", rs.text
+    assert rl.headers["x-steering-latch"] == "latched", rl.text
+    ops.wait_for(lambda: ops.get(key, "/v1/usage").json()["requests_made"]["total"] >= 6)
+    assert _latched(ops, key) == ["c1"]
+    r = ops.chat(key, conversation_id="c1")
+    assert r.headers["x-steering-latch"] in ("bridged", "restored") and _text(r) == new
+
+
+def test_a_failed_shrinking_turn_never_puts_the_tenant_over_its_latch_bytes(ops: Ops) -> None:
+    """c1 holds 64 bytes of a 64-byte quota. A turn replacing it with 32 bytes freed
+    the other 32 at admission; c2 latched 32 bytes into them meanwhile; the turn then
+    failed and its settlement put c1's 64 bytes back: 96 of 64. Now the replaced
+    latch's bytes stay held until the turn settles, so c2 had to make room by the
+    quota's own rule (evicting c1, the least recently used) and the quota holds."""
+    key = ops.tenant("acme", latch_bytes=4 * HIDDEN * 2, latch_count=10)
+    two_sites = {"hook": "post_block", "layers": {"1": [0.1] * HIDDEN, "2": [0.1] * HIDDEN}}
+    body = chat_body(conversation_id="c1", steering={"vectors": [two_sites], "latch": True})
+    assert ops.chat(key, **body).status_code == 200
+
+    async def latching_c2(client: httpx.AsyncClient) -> httpx.Response:
+        return await client.post(ops.url + "/v1/chat/completions", json=_turn("c2", 0.2))
+
+    failed, other = _race(ops, key, latching_c2)  # c1 -> 32 bytes, failing after 0.5 s
+    assert failed.status_code >= 500, failed.text
+    assert other.status_code == 200 and other.headers["x-steering-latch"] == "evicted_quota"
+    ops.wait_for(lambda: ops.get(key, "/v1/usage").json()["requests_made"]["total"] >= 3)
+    quota = ops.get(key, "/v1/usage").json()["quotas"]["latch_bytes"]
+    assert quota["used"] <= quota["limit"] == 64, quota
+    assert _latched(ops, key) == ["c2"] and quota["used"] == 32

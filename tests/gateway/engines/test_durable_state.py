@@ -114,6 +114,29 @@ def test_engine_restart_loses_nothing_a_tenant_stored(
     assert client.zcard(keys.latches("acme")) == 2
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_latch_left_stored_by_a_turn_vllm_refused_is_recorded_and_restored(
+    gateway: ServerThread, fake_engine: FakeEngine, redis_url: str, stream: bool
+) -> None:
+    """The engine stores a turn's latch before vLLM checks the rest (here max_tokens 0)
+    and says so on vLLM's error. The gateway recorded a latch's digest and spec on 2xx
+    only: the ledger counted the latch, listed it and bridged it, but after the engine
+    restarted the conversation was unsteered, and a stream's refusal said 'none'."""
+    key = make_tenant(redis_url, "acme")
+    body = {"model": "stub", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}
+    r = httpx.post(
+        gateway.url + CHAT,
+        json={**body, "conversation_id": "c1", "steering": inline(0.5), "stream": stream},
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=30,
+    )
+    assert r.status_code == 400 and r.headers["x-steering-latch"] == "latched", r.text
+    steered = text(chat(gateway, key, steering=inline(0.5, latch=False)))
+    fake_engine.state.restart()
+    r = chat(gateway, key, conversation_id="c1")
+    assert r.headers["x-steering-latch"] == "restored" and text(r) == steered
+
+
 def test_engine_cap_evictions_cost_a_restore_never_a_latch(
     start_gateway: Any, engines: list[FakeEngine], redis_url: str
 ) -> None:
@@ -178,6 +201,42 @@ def test_quota_eviction_is_the_only_way_a_latch_is_lost(
     r = chat(gateway, key, conversation_id="c1")
     assert r.headers["x-steering-latch"] == "none" and text(r) == "echo"
     wait_for(lambda: "acme~c1" not in fake_engine.state.latches, 5)
+
+
+def test_a_latching_request_refused_with_400_evicts_no_other_latch(
+    gateway: ServerThread, fake_engine: FakeEngine, redis_url: str
+) -> None:
+    """The attack: with a quota of one latch, a request latching c2 that is then refused
+    (an unknown vector, a layer of the wrong length, a bad option) used to have its
+    admission evict c1 first, for good: "a 400 never drops a latch" did not hold."""
+    key = make_tenant(redis_url, "acme", latch_count=1)
+    latched = chat(gateway, key, conversation_id="c1", steering=inline(0.5))
+    assert latched.headers["x-steering-latch"] == "latched"
+    steered = text(latched)
+    for bad, extra, param in [
+        ({"vectors": [{"name": "nope"}], "latch": True}, {}, "steering.vectors"),
+        (
+            {"vectors": [{"hook": "post_attn", "layers": {"2": [0.5] * 7}}], "latch": True},
+            {},
+            "steering.vectors[0].layers.2",
+        ),
+        (inline(0.7), {"cache_salt": 5}, "cache_salt"),
+        (inline(0.7), {"stream": True, "stream_options": "x"}, "stream_options"),
+    ]:
+        body = {"model": "stub", "messages": [{"role": "user", "content": "hi"}]}
+        r = httpx.post(
+            gateway.url + CHAT,
+            json={**body, "conversation_id": "c2", "steering": bad, **extra},
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=30,
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        listed = httpx.get(
+            gateway.url + "/v1/steering/latches", headers={"Authorization": f"Bearer {key}"}
+        ).json()
+        assert [lat["conversation_id"] for lat in listed] == ["c1"], (param, listed)
+        r = chat(gateway, key, conversation_id="c1")  # still steered by its latch
+        assert r.headers["x-steering-latch"] == "bridged" and text(r) == steered, param
 
 
 # -- vectors ----------------------------------------------------------------------------

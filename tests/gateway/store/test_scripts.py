@@ -104,10 +104,11 @@ def test_settle_request_puts_each_named_field_at_its_argv_position() -> None:
         prompt_tokens=12,
         completion_tokens=13,
         key_id="key",
+        left_latch="16:value",
     )
     assert call.argv() == [
         60_000, "lease", 3, -4, "2xx", 6, "conv", "keep", "9:ref", keys.USAGE_MINUTE_TTL_S,
-        11, 12, 13, "key", keys.USAGE_DAY_TTL_S,
+        11, 12, 13, "key", keys.USAGE_DAY_TTL_S, "16:value",
     ]  # fmt: skip
     assert call.keys() == keys.admit_keys("acme", 1, "key")
 

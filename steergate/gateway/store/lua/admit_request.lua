@@ -128,11 +128,12 @@ end
 local prev = ""
 if conv ~= "" then prev = redis.call("HGET", KEYS[7], conv) or "" end
 
+local function digest_of(name)
+  return string.match(redis.call("HGET", KEYS[10], name) or "", '"digest":"(%x+)"') or ""
+end
+
 local function named_digests(out)
-  for i = 1, n_vec do
-    local meta = redis.call("HGET", KEYS[10], ARGV[25 + i]) or ""
-    out[#out + 1] = string.match(meta, '"digest":"(%x+)"') or ""
-  end
+  for i = 1, n_vec do out[#out + 1] = digest_of(ARGV[25 + i]) end
   return out
 end
 
@@ -187,15 +188,31 @@ if key_rpm > 0 then
 end
 if not t_ok then return reject(2, t_retry, r_rem, r_reset, t_rem, t_reset) end
 
+-- A latch naming a vector the tenant lacks is refused by the gateway after this call
+-- (400 unknown_vector, from the "" digest returned): no latch is planned for it, so it
+-- evicts nothing and leaves the conversation's ledger entry as it is.
+if want_latch then
+  for i = 1, n_vec do
+    if digest_of(ARGV[25 + i]) == "" then want_latch = false break end
+  end
+end
+
 -- 3. Latch quota: plan evictions (own LRU latches only) before writing anything.
 local evicted = {}
 local gone = {}
 local new_total = 0
+local reserve = 0
 if conv ~= "" and want_latch then
   local nbytes, max_count, max_bytes = tonumber(ARGV[10]), tonumber(ARGV[12]), tonumber(ARGV[13])
   local prev_bytes = tonumber(string.match(prev, "^(%d+)") or "0")
   local count = redis.call("ZCARD", KEYS[6]) - (prev ~= "" and 1 or 0)
   local total = tonumber(redis.call("GET", KEYS[8]) or "0") - prev_bytes
+  -- Held until the turn settles: the larger of the new latch and the one it replaces,
+  -- since a failed turn puts the old one back (settle_request.lua "restore"); room a
+  -- shrinking turn frees is not another conversation's until the new latch is kept
+  -- (keep_latch.lua then sets the exact size).
+  reserve = math.max(nbytes, prev_bytes)
+  nbytes = reserve
   if count + 1 > max_count or total + nbytes > max_bytes then
     -- Abandoned "being stored" entries (their turn's gateway died, or its settlement
     -- came too late to count) are not latches: reclaim them before any policy applies.
@@ -211,7 +228,7 @@ if conv ~= "" and want_latch then
       end
     end
   end
-  if nbytes > max_bytes or max_count < 1 then
+  if tonumber(ARGV[10]) > max_bytes or max_count < 1 then
     return reject(4, 60000, r_rem, r_reset, t_rem, t_reset)
   end
   if count + 1 > max_count or total + nbytes > max_bytes then
@@ -265,7 +282,7 @@ if conv ~= "" then
       redis.call("HDEL", KEYS[9], victim)
     end
     redis.call("ZADD", KEYS[6], now, conv)
-    redis.call("HSET", KEYS[7], conv, ARGV[10] .. ":" .. ARGV[11])
+    redis.call("HSET", KEYS[7], conv, reserve .. ":" .. ARGV[11])
     redis.call("SET", KEYS[8], new_total)
   else
     redis.call("ZADD", KEYS[6], "XX", now, conv)  -- recency refresh, only if latched

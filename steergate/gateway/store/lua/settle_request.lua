@@ -23,6 +23,11 @@
 -- KEYS[15] finished leases: a lease an admission already released (admit_request.lua,
 -- ARGV[26+N..]) is found there, not in KEYS[3]; it is still this settlement's to charge.
 -- KEYS[16] budget held: a settled lease whose id ends in "~<tokens>" no longer holds them.
+-- ARGV[16] the conversation's ledger entry as this request's admission left it (its
+--          pending "bytes:kind", or the entry it found): "drop" and "restore" apply only
+--          while the entry is still that one. A concurrent turn that recorded or replaced
+--          the latch since owns it: a failed or stale turn must not undo that (absent: a
+--          gateway of the previous version, no check).
 -- Returns 1 when action was "keep" but the latch is no longer ours in Redis (it was
 -- evicted while the request ran). Nothing needs doing about it: an engine never bridges
 -- a latch Redis does not expect, and the engine sync deletes its copy. Else 0.
@@ -91,6 +96,7 @@ end
 local conv, action = ARGV[7], ARGV[8]
 if conv == "" or action == "" then return 0 end
 local cur = redis.call("HGET", KEYS[7], conv)
+if action ~= "keep" and ARGV[16] ~= nil and (cur or "") ~= ARGV[16] then return 0 end
 local function bytes_of(info) return tonumber(string.match(info or "0", "^(%d+)") or "0") end
 local function remove()
   if cur then
