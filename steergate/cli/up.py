@@ -31,9 +31,9 @@ from typing import IO, Any, NoReturn
 
 import httpx
 import numpy as np
-from pydantic import SecretStr
+from pydantic import SecretStr, ValidationError
 
-from steergate.shared.settings import GatewaySettings
+from steergate.shared.settings import GatewaySettings, settings_error
 
 DEMO_TENANT = "demo"
 DEMO_VECTOR = "calm"
@@ -477,7 +477,11 @@ def main(argv: list[str]) -> int:
     # after its own graceful shutdown, so the same path runs then too.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
 
-    env = GatewaySettings()
+    try:
+        env = GatewaySettings()
+    except ValidationError as exc:
+        print(f"steergate up: {settings_error(exc, GatewaySettings)}", file=sys.stderr)
+        return 2
     keys = resolve_secrets(env)
     home = steergate_home()
     default_model = args.model is None

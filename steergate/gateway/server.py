@@ -30,13 +30,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--port", type=int, default=None, help="port (env STEERGATE_PORT)")
     parser.add_argument("--host", default=None, help="bind address (env STEERGATE_HOST)")
-    parser.add_argument("--log-level", default="info", help="debug, info, warning, error")
+    parser.add_argument(
+        "--log-level", default="info", choices=("debug", "info", "warning", "error")
+    )
     args = parser.parse_args(argv)
 
-    from steergate.shared.settings import GatewaySettings
+    from pydantic import ValidationError
+
+    from steergate.shared.settings import GatewaySettings, settings_error
 
     overrides = {k: v for k, v in {"port": args.port, "host": args.host}.items() if v is not None}
-    settings = GatewaySettings(**overrides)
+    try:
+        settings = GatewaySettings(**overrides)
+    except ValidationError as exc:
+        print(
+            f"steergate gateway: refusing to start: {settings_error(exc, GatewaySettings)}",
+            file=sys.stderr,
+        )
+        return 2
     missing = [env for field, env in REQUIRED.items() if not getattr(settings, field)]
     if missing:
         print(

@@ -7,8 +7,9 @@ without the ``STEERGATE_`` prefix. CLI flags override by passing keyword values.
 from __future__ import annotations
 
 from typing import Literal
+from urllib.parse import urlsplit
 
-from pydantic import AliasChoices, Field, SecretStr, field_validator
+from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from steergate.shared.clamp import DEFAULT_MAX_CLAMPS_PER_SITE
@@ -23,7 +24,9 @@ from steergate.shared.engine_api import (
 class EngineSettings(BaseSettings):
     """Read by the engine's plugins inside vLLM's API-server process."""
 
-    model_config = SettingsConfigDict(env_prefix="STEERGATE_", extra="ignore")
+    # No inf/nan anywhere: an infinite timeout passed validation (gt=0), then overflowed
+    # int() on the first request (500) or at start.
+    model_config = SettingsConfigDict(env_prefix="STEERGATE_", extra="ignore", allow_inf_nan=False)
 
     engine_token: SecretStr | None = Field(
         default=None,
@@ -66,8 +69,15 @@ class EngineSettings(BaseSettings):
     )
 
 
+    @field_validator("engine_token")
+    @classmethod
+    def _strip_token(cls, v: SecretStr | None) -> SecretStr | None:
+        return strip_secret(v)
+
 class GatewaySettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="STEERGATE_", extra="ignore")
+    # No inf/nan anywhere: an infinite timeout passed validation (gt=0), then overflowed
+    # int() on the first request (500) or at start.
+    model_config = SettingsConfigDict(env_prefix="STEERGATE_", extra="ignore", allow_inf_nan=False)
 
     redis_url: str | None = Field(
         default=None,
@@ -125,8 +135,8 @@ class GatewaySettings(BaseSettings):
         description="Worker processes that parse and validate request bodies over 256 KiB, "
         "off the process serving other tenants; 0: on its event loop (docs/gateway.md).",
     )
-    host: str = Field(default="127.0.0.1", description="Address the gateway binds.")
-    port: int = Field(default=8080, description="Port the gateway binds.")
+    host: str = Field(default="127.0.0.1", min_length=1, description="Address the gateway binds.")
+    port: int = Field(default=8080, ge=1, le=65535, description="Port the gateway binds.")
     rate_limit_fail_open: bool = Field(
         default=False,
         description=(
@@ -195,11 +205,69 @@ class GatewaySettings(BaseSettings):
     @field_validator("engine_urls")
     @classmethod
     def _strip(cls, v: str) -> str:
-        urls = [u.strip().rstrip("/") for u in v.split(",") if u.strip()]
+        urls: list[str] = []
+        for url in (u.strip().rstrip("/") for u in v.split(",") if u.strip()):
+            check_engine_url(url)
+            if url not in urls:  # one engine named twice is one engine
+                urls.append(url)
         if not urls:
             raise ValueError("STEERGATE_ENGINE_URLS must name at least one engine")
         return ",".join(urls)
 
+    @field_validator("redis_url")
+    @classmethod
+    def _not_empty(cls, v: str | None) -> str | None:
+        # Set but empty (a blank secret in a deployment) is not "unset": each replica
+        # would quietly keep its own in-process tenants and limits.
+        if v is not None and not v.strip():
+            raise ValueError(
+                "REDIS_URL is set but empty; unset it for the embedded single-process "
+                "store, or give redis://, rediss:// or redis+cluster://"
+            )
+        return v.strip() if v is not None else None
+
+    @field_validator("admin_key", "engine_token", "metrics_token")
+    @classmethod
+    def _strip_secret(cls, v: SecretStr | None) -> SecretStr | None:
+        # The pepper is left as it is: it is hashed into every stored key.
+        return strip_secret(v)
+
     @property
     def engine_url_list(self) -> list[str]:
         return self.engine_urls.split(",")
+
+
+def strip_secret(v: SecretStr | None) -> SecretStr | None:
+    """A bearer secret without surrounding whitespace (one read from a file keeps its
+    trailing newline, which no client sends: every admin call was 401); blank is unset."""
+    if v is None:
+        return None
+    value = v.get_secret_value().strip()
+    return SecretStr(value) if value else None
+
+
+def check_engine_url(url: str) -> None:
+    """An engine base URL: http(s), a host, a port in range (else every request would
+    fail later, as a 500)."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # raises ValueError when out of range or not a number
+    except ValueError as exc:
+        raise ValueError(f"not an engine URL: {url!r} ({exc})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"not an engine URL: {url!r} (expected http://host:port)")
+    if port == 0:
+        raise ValueError(f"not an engine URL: {url!r} (port 0)")
+
+
+def settings_error(exc: ValidationError, settings: type[BaseSettings]) -> str:
+    """One line per invalid setting, named as it is set (the environment variable)."""
+    prefix = str(settings.model_config.get("env_prefix", ""))
+    lines = []
+    for err in exc.errors():
+        field = str(err["loc"][0]) if err["loc"] else ""
+        # a field read through its alias (REDIS_URL) is reported by that alias
+        name = (prefix + field).upper() if field in settings.model_fields else field.upper()
+        message = str(err["msg"]).removeprefix("Value error, ")
+        lines.append(f"{name}: {message}")
+    return "; ".join(lines)

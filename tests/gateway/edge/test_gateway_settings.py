@@ -1,0 +1,85 @@
+"""``steergate gateway`` refuses settings that would start and then break every request
+(found from outside): each is one line naming the variable and exit 2, never a
+traceback, and a gateway never starts on them. The installed command, from a folder
+outside the checkout, as an operator runs it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from pydantic import SecretStr
+
+from steergate.shared.settings import EngineSettings, GatewaySettings
+from tests.harness import steergate_run
+
+SECRETS = {
+    "STEERGATE_ADMIN_KEY": "sk-sg-admin-" + "a" * 30,
+    "STEERGATE_KEY_PEPPER": "p" * 32,
+    "STEERGATE_ENGINE_TOKEN": "e" * 32,
+}
+
+
+@pytest.mark.parametrize(
+    ("env", "named", "says"),
+    [
+        # an infinite timeout passed gt=0, then every request was a 500 (OverflowError)
+        ({"STEERGATE_REDIS_TIMEOUT_S": "inf"}, "STEERGATE_REDIS_TIMEOUT_S", "finite"),
+        ({"STEERGATE_LEASE_TTL_S": "inf"}, "STEERGATE_LEASE_TTL_S", "finite"),
+        # an engine URL without a scheme, or with a port out of range: every request 500
+        ({"STEERGATE_ENGINE_URLS": "127.0.0.1:8191"}, "STEERGATE_ENGINE_URLS", "http://"),
+        ({"STEERGATE_ENGINE_URLS": "http://127.0.0.1:99999"}, "STEERGATE_ENGINE_URLS", "range"),
+        ({"STEERGATE_ENGINE_URLS": "ftp://engine:8100"}, "STEERGATE_ENGINE_URLS", "http://"),
+        # bound to port 34463 while the log said 99999; a blank host bound every interface
+        ({"STEERGATE_PORT": "99999"}, "STEERGATE_PORT", "65535"),
+        ({"STEERGATE_HOST": ""}, "STEERGATE_HOST", "at least 1"),
+        # a blank REDIS_URL (an empty k8s secret) quietly meant one store per replica
+        ({"REDIS_URL": ""}, "REDIS_URL", "set but empty"),
+        # a pydantic traceback before
+        ({"STEERGATE_MAX_BODY_BYTES": ""}, "STEERGATE_MAX_BODY_BYTES", "integer"),
+    ],
+)
+def test_a_setting_that_would_break_every_request_refuses_the_start(
+    env: dict[str, str], named: str, says: str
+) -> None:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("STEERGATE_")}
+    base.pop("REDIS_URL", None)
+    done = steergate_run(
+        ["gateway"], {**SECRETS, **env}, base_env=base, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith("steergate gateway: refusing to start: ") and f"{named}:" in line
+    assert says in line, line
+
+
+def test_an_unknown_log_level_is_a_usage_error_not_a_traceback() -> None:
+    done = steergate_run(
+        ["gateway", "--log-level", "trace"], SECRETS, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2 and "invalid choice" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_bearer_secrets_lose_surrounding_whitespace_and_blank_is_unset() -> None:
+    """A key read from a file keeps its newline, which no client sends: the gateway
+    started and answered every admin call 401."""
+    s = GatewaySettings(
+        admin_key=SecretStr(" sk-sg-admin\n"),
+        engine_token=SecretStr("tok\n"),
+        metrics_token=SecretStr("   "),
+        key_pepper=SecretStr("pepper\n"),  # hashed into every stored key: as it is
+        redis_url=None,
+    )
+    assert s.admin_key is not None and s.admin_key.get_secret_value() == "sk-sg-admin"
+    assert s.engine_token is not None and s.engine_token.get_secret_value() == "tok"
+    assert s.metrics_token is None
+    assert s.key_pepper is not None and s.key_pepper.get_secret_value() == "pepper\n"
+    engine = EngineSettings(engine_token=SecretStr("tok\r\n"))
+    assert engine.engine_token is not None and engine.engine_token.get_secret_value() == "tok"
+
+
+def test_an_engine_named_twice_is_one_engine() -> None:
+    s = GatewaySettings(engine_urls="http://e:8100, http://e:8100/ ,https://f:443", redis_url=None)
+    assert s.engine_url_list == ["http://e:8100", "https://f:443"]
