@@ -218,7 +218,7 @@ def middleware(settings: GatewaySettings, metrics: Metrics) -> list[Middleware]:
         Middleware(RequestIdMiddleware),
         # Every error leaves in the one shape: the 413 below, a 500, a 429 the
         # metrics count.
-        Middleware(OpenAIErrorMiddleware),
+        Middleware(OpenAIErrorMiddleware, passthrough=frozenset({"/readyz"})),
         # The request's server span (or the client's traceparent, passed on).
         Middleware(tracing.TraceMiddleware),
         # Each tenant request as the client saw it, after its last byte.

@@ -41,11 +41,16 @@ _RETRY_HEADERS = (b"x-should-retry", b"retry-after", b"retry-after-ms")
 
 
 class OpenAIErrorMiddleware:
-    def __init__(self, app: ASGIApp) -> None:
+    """``passthrough``: paths whose answers are not API errors and go out as sent
+    (the gateway's ``/readyz``: its 503 body says whether Redis or the engines are
+    down, which a generic error body would hide)."""
+
+    def __init__(self, app: ASGIApp, passthrough: frozenset[str] = frozenset()) -> None:
         self.app = app
+        self.passthrough = passthrough
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope.get("path") in self.passthrough:
             await self.app(scope, receive, send)
             return
         state: dict[str, Any] = {"started": False}

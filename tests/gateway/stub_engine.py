@@ -274,7 +274,8 @@ async def _events(body: dict[str, Any], chat: bool, text: str) -> AsyncIterator[
         if body.get("fake_break") and i == 0:
             raise RuntimeError("engine died mid-stream")
         if body.get("fake_stream_error") and i == 0:
-            yield stub_vllm.stream_error_event()  # vLLM's own words for a failure
+            said = body["fake_stream_error"]  # vLLM's own words for a failure, or these
+            yield stub_vllm.stream_error_event(*([said] if isinstance(said, str) else []))
             break
     if (body.get("stream_options") or {}).get("include_usage"):
         final = {

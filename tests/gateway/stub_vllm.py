@@ -69,9 +69,9 @@ def _is_prompt(prompt: Any) -> bool:
     )
 
 
-def stream_error_event() -> bytes:
+def stream_error_event(message: str = "Internal server error") -> bytes:
     """What vLLM's stream generators yield on an exception mid-stream."""
-    err = vllm_error("Internal server error", 500, "InternalServerError")
+    err = vllm_error(message, 500, "InternalServerError")
     return b"data: " + orjson.dumps(err) + b"\n\n"
 
 

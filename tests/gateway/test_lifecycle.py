@@ -61,17 +61,23 @@ def test_client_disconnect_mid_stream_releases_the_lease(
     assert post(gateway, key, chat_body()).status_code == 200
 
 
+@pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("leave_after_s", [0.0, 0.5])
-def test_client_disconnect_before_a_unary_answer_cancels_the_engine_request(
-    gateway: ServerThread, redis_url: str, fake_engine: FakeEngine, leave_after_s: float
+def test_client_disconnect_before_the_answer_cancels_the_engine_request(
+    gateway: ServerThread,
+    redis_url: str,
+    fake_engine: FakeEngine,
+    leave_after_s: float,
+    stream: bool,
 ) -> None:
-    """A client that gives up on a non-stream request (its timeout, a closed tab): the
+    """A client that gives up before the answer starts (its timeout, a closed tab): the
     gateway closes the engine connection at once, so the engine abandons the request
     instead of generating an answer nobody reads, and the lease is released then, not
     when the engine would have finished. The reservation is charged. Leaving at once is
-    seen too (the gateway starts watching 50 ms into a request)."""
+    seen too (the gateway starts watching 50 ms into a request). A stream waiting for
+    the engine's first byte used to hold its slot until the engine answered."""
     key = make_tenant(redis_url, "acme", max_concurrency=1)
-    body = orjson.dumps(chat_body(fake_delay=30, max_tokens=7))
+    body = orjson.dumps(chat_body(fake_delay=30, max_tokens=7, stream=stream))
     host, port = httpx.URL(gateway.url).host, httpx.URL(gateway.url).port
     with socket.create_connection((host, port)) as sock:
         sock.sendall(

@@ -334,9 +334,12 @@ def date_of(day: int) -> str:
 
 def export_range(start: str | None, end: str | None, now_s: float) -> tuple[int, int]:
     """``(first_day, last_day)``, both inclusive, of an export request. Defaults: ``end``
-    today (UTC), ``start`` 29 days before ``end`` (30 days). At most 400 days."""
+    today (UTC), ``start`` 29 days before ``end`` (30 days), never before 1970-01-01.
+    At most 400 days."""
     last = day_of(end, "end") if end is not None else keys.utc_day(now_s)
-    first = day_of(start, "start") if start is not None else last - EXPORT_DEFAULT_DAYS + 1
+    first = (
+        day_of(start, "start") if start is not None else max(0, last - EXPORT_DEFAULT_DAYS + 1)
+    )
     if last < first:
         raise InvalidField("end", "'end' is before 'start'")
     if last - first + 1 > EXPORT_MAX_DAYS:

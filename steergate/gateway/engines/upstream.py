@@ -175,9 +175,7 @@ class _TransportClient:
         self, transport: httpx.AsyncBaseTransport, headers: dict[str, str], read_timeout_s: float
     ) -> None:
         # identity: the bytes are relayed as the engine sent them, as over http1.
-        self._client = httpx.AsyncClient(
-            transport=transport, headers={**headers, "accept-encoding": "identity"}
-        )
+        self._client = httpx.AsyncClient(transport=transport, headers=headers)
         self.read_timeout_s = read_timeout_s
 
     async def send(
@@ -225,7 +223,10 @@ class EnginePool:
         transport: httpx.AsyncBaseTransport | None = None,  # tests only: in-process engines
     ) -> None:
         self.engines = [Engine(u) for u in urls]
-        headers = {"authorization": f"Bearer {token}"}
+        # identity: no Accept-Encoding means any encoding is acceptable (RFC 9110), and
+        # a compressing proxy in front of an engine then sent gzip that was relayed as
+        # JSON or SSE, unreadable for the client and for metering.
+        headers = {"authorization": f"Bearer {token}", "accept-encoding": "identity"}
         self._client: http1.Client | _TransportClient = (
             http1.Client(
                 headers=headers,

@@ -31,3 +31,32 @@ def test_read_timeout_is_504_and_keeps_the_engine() -> None:
     e = Engine("http://127.0.0.1:1")
     err = _unavailable(e, http1.ReadTimeout("slow"))
     assert (err.status, err.code) == (504, "engine_timeout") and e.healthy
+
+
+async def test_engine_requests_ask_for_no_content_coding() -> None:
+    """No Accept-Encoding means any coding is acceptable (RFC 9110): a compressing proxy
+    in front of an engine sent gzip, relayed to clients as JSON or SSE they could not
+    read, and whose usage could not be metered. Every engine request asks for identity."""
+    import asyncio
+
+    from steergate.gateway.engines.upstream import EnginePool
+
+    heads: list[bytes] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        heads.append(await reader.readuntil(b"\r\n\r\n"))
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    pool = EnginePool([f"http://127.0.0.1:{port}"], "t")
+    try:
+        r = await pool.request("GET", "/v1/models")
+        assert r.status == 200
+    finally:
+        await pool.aclose()
+        server.close()
+        await server.wait_closed()
+    assert b"\r\naccept-encoding: identity\r\n" in heads[0].lower()

@@ -25,6 +25,7 @@ from steergate.shared import errors
 from tests.gateway.conftest import ADMIN_KEY, ENGINE_TOKEN, FakeEngine, make_tenant
 from tests.gateway.servers import ServerThread
 from tests.gateway.stub_engine import HIDDEN
+from tests.harness import wait_for
 
 MSG = [{"role": "user", "content": "hi"}]
 INLINE = {"vectors": [{"hook": "post_block", "layers": {"1": [0.5] * HIDDEN}}]}
@@ -206,6 +207,26 @@ def test_a_streamed_vllm_error_has_a_string_code(gateway: ServerThread, key: str
     last = json.loads(events[-1][6:])
     assert last["error"]["code"] == "internal_error"
     assert last["error"]["type"] == "server_error" and last["error"]["request_id"] == rid
+
+
+def test_a_streamed_vllm_error_ends_the_stream_is_settled_5xx_and_names_no_scoped_id(
+    gateway: ServerThread, key: str
+) -> None:
+    """vLLM's mid-stream failure is an error event, then ``[DONE]``. The gateway relayed
+    both and settled the request as a 2xx (usage and exports missed the failure), and
+    stripped only the caller's own scope prefix from the event."""
+    said = "latch for othertenant~conv-9 missing"
+    body = {"messages": MSG, "stream": True, "fake_chunks": 3, "fake_stream_error": said}
+    with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", headers=h(key), json=body) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    error = json.loads(lines[-1][6:])["error"]  # the last event: no [DONE] after it
+    assert error["message"] == "latch for conv-9 missing" and "~" not in lines[-1]
+
+    def counts() -> dict[str, int]:
+        return httpx.get(f"{gateway.url}/v1/usage", headers=h(key)).json()["responses"]
+
+    wait_for(lambda: counts().get("5xx", 0) == 1, 5)
+    assert counts().get("2xx", 0) == 0
 
 
 def test_every_error_class_with_the_openai_sdk(

@@ -348,7 +348,9 @@ def test_engine_down_is_502(start_gateway: Any, redis_url: str) -> None:
     r = post(gw, key, chat_body())
     assert r.status_code == 502 and r.json()["error"]["code"] == "engine_unavailable"
     assert "x-ratelimit-limit-requests" in r.headers
-    assert httpx.get(gw.url + "/readyz").status_code == 503
+    ready = httpx.get(gw.url + "/readyz")  # its own body, which says what is down
+    assert ready.status_code == 503, ready.text
+    assert ready.json() == {"status": "unavailable", "redis": True, "engines": 0}
 
 
 def test_engine_read_timeout_is_504_and_the_next_request_is_served(

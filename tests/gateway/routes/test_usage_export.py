@@ -165,6 +165,10 @@ def test_default_range_is_the_last_30_days_ending_today(acme: tuple[str, str]) -
     assert (doc["start"], doc["end"]) == (date(TODAY - 39), date(TODAY - 10))
     today, doc = on_one_day(lambda: export(url, key, start=date(TODAY - 3)).json())
     assert (doc["start"], doc["end"]) == (date(TODAY - 3), date(today))
+    # near the epoch the default start stops at it (it was 1969-12-07, a date the
+    # explicit `start` refuses)
+    doc = export(url, key, end="1970-01-05").json()
+    assert (doc["start"], doc["end"]) == ("1970-01-01", "1970-01-05") and len(doc["rows"]) == 5
 
 
 # ---------------------------------------------------------------------------- shape
