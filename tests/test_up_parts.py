@@ -127,6 +127,32 @@ def test_up_refuses_a_taken_port_before_starting_the_engine(tmp_path: Path) -> N
     assert list(tmp_path.iterdir()) == []  # no model generated, no engine log
 
 
+def test_up_reads_the_gateways_port_setting_and_refuses_bad_binds(tmp_path: Path) -> None:
+    """`up` took neither STEERGATE_PORT nor STEERGATE_HOST (it said 8080 was in use
+    with STEERGATE_PORT set to a free port), an out-of-range port was an OverflowError
+    traceback, and a host that does not resolve was reported "in use"."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {"STEERGATE_HOME": str(tmp_path), "STEERGATE_PORT": str(port)}
+        out = steergate_run(["up"], env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and f"127.0.0.1:{port} is in use" in out.stderr
+    for argv, code, says in [
+        (["up", "--port", "99999"], 2, "not a port"),
+        (["up", "--host", "no.such.host.invalid"], 2, "cannot bind"),
+    ]:
+        out = steergate_run(argv, {"STEERGATE_HOME": str(tmp_path)},
+                            capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert out.returncode == code and says in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing started
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    out = steergate_run(["tiny-model", str(a_file)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "not a folder" in out.stderr  # a FileExistsError before
+
+
 def test_the_default_model_is_served_in_float32_unless_a_dtype_is_given() -> None:
     assert up.default_model_engine_args([]) == ["--dtype", "float32"]
     assert up.default_model_engine_args(["--max-model-len", "4096"]) == [

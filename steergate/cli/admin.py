@@ -11,6 +11,7 @@ Exit codes: 0 ok, 1 the gateway refused or could not be reached, 2 bad usage.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import sys
@@ -64,11 +65,14 @@ class AdminClient:
     """The admin API over HTTP; turns transport and API errors into :class:`CLIError`."""
 
     def __init__(self, base_url: str, admin_key: str, timeout: float = 10.0) -> None:
-        self._http = httpx.Client(
-            base_url=base_url.rstrip("/"),
-            headers={"Authorization": f"Bearer {admin_key}"},
-            timeout=timeout,
-        )
+        try:
+            self._http = httpx.Client(
+                base_url=base_url.rstrip("/"),
+                headers={"Authorization": f"Bearer {admin_key}"},
+                timeout=timeout,
+            )
+        except httpx.InvalidURL as exc:
+            raise CLIError(f"not a gateway URL: {base_url!r} ({exc})", exit_code=2) from None
 
     def __enter__(self) -> AdminClient:
         return self
@@ -80,7 +84,13 @@ class AdminClient:
         response = self._send(method, path, **kwargs)
         if response.status_code == 204 or not response.content:
             return None
-        return response.json()
+        try:
+            return response.json()
+        except ValueError:
+            raise CLIError(
+                f"{self._http.base_url} answered {response.status_code} with something "
+                "that is not JSON: is it the gateway? (set STEERGATE_GATEWAY_URL or --url)"
+            ) from None
 
     def call_text(self, method: str, path: str, **kwargs: Any) -> str:
         """Like :meth:`call`, for an answer that is not JSON (a CSV export)."""
@@ -89,7 +99,7 @@ class AdminClient:
     def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
             response = self._http.request(method, path, **kwargs)
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise CLIError(
                 f"cannot reach the gateway at {self._http.base_url}: {type(exc).__name__}"
                 " (set STEERGATE_GATEWAY_URL or --url)"
@@ -208,7 +218,9 @@ def _key_parser() -> argparse.ArgumentParser:
     )
     create.add_argument("--name", help="a label for the key")
     when = create.add_mutually_exclusive_group()
-    when.add_argument("--expires-at", type=float, metavar="UNIX", help="expiry time, unix seconds")
+    when.add_argument(
+        "--expires-at", type=finite_number, metavar="UNIX", help="expiry time, unix seconds"
+    )
     when.add_argument(
         "--expires-in", type=parse_duration, metavar="DURATION", help="expiry, e.g. 3600, 12h, 30d"
     )
@@ -471,12 +483,31 @@ _DURATION = re.compile(r"\A(\d+(?:\.\d+)?)([smhd]?)\Z")
 _UNIT_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
+#: Longer than any duration a flag means (a key's expiry, a grace period, an audit window).
+MAX_DURATION_S = 100 * 365 * 86400
+
+
 def parse_duration(text: str) -> float:
-    """Seconds from ``3600``, ``90s``, ``15m``, ``12h`` or ``30d``."""
+    """Seconds from ``3600``, ``90s``, ``15m``, ``12h`` or ``30d`` (at most 100 years:
+    400 digits were an ``OverflowError`` traceback)."""
     match = _DURATION.fullmatch(text.strip().lower())
     if match is None:
         raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 3600, 15m, 12h, 30d)")
-    return float(match.group(1)) * _UNIT_S[match.group(2)]
+    seconds = float(match.group(1)) * _UNIT_S[match.group(2)]
+    if seconds > MAX_DURATION_S:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (at most 100 years)")
+    return seconds
+
+
+def finite_number(text: str) -> float:
+    """A finite float (``nan`` and ``inf`` parse as floats, then fail as JSON)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"not a finite number: {text!r}")
+    return value
 
 
 def parse_since(text: str) -> float:

@@ -85,13 +85,26 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port: {text!r}") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"not a port: {text!r} (1-65535)")
+    return port
+
+
 def port_is_free(host: str, port: int) -> bool:
     """Checked before the engine starts, so a taken port fails in a second, not after
-    the engine's minute of start-up."""
+    the engine's minute of start-up. A host that does not resolve raises
+    ``socket.gaierror`` (it is not "in use")."""
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
+        except socket.gaierror:
+            raise
         except OSError:
             return False
     return True
@@ -395,8 +408,12 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     )
     p.add_argument("--model", help="model path or Hugging Face id (default: SmolLM2-135M-Instruct, "
                                     "fetched and converted on first use)")
-    p.add_argument("--port", type=int, default=8080, help="gateway port (default 8080)")
-    p.add_argument("--host", default="127.0.0.1", help="gateway bind address (default 127.0.0.1)")
+    p.add_argument(
+        "--port", type=_port, default=None, help="gateway port (default STEERGATE_PORT, or 8080)"
+    )
+    p.add_argument(
+        "--host", default=None, help="gateway bind address (default STEERGATE_HOST, or 127.0.0.1)"
+    )
     p.add_argument("--engine-timeout", type=float, default=900.0,
                    help="seconds to wait for the engine to become ready (default 900)")
     return p.parse_known_args(argv)
@@ -486,7 +503,15 @@ def main(argv: list[str]) -> int:
     home = steergate_home()
     default_model = args.model is None
     engine: Engine | None = None
-    if not port_is_free(args.host, args.port):
+    # The flags win; else the gateway's own settings (STEERGATE_PORT, STEERGATE_HOST).
+    args.port = env.port if args.port is None else args.port
+    args.host = env.host if args.host is None else args.host
+    try:
+        free = port_is_free(args.host, args.port)
+    except socket.gaierror as exc:
+        print(f"steergate up: cannot bind {args.host!r}: {exc.strerror}", file=sys.stderr)
+        return 2
+    if not free:
         print(f"steergate up: {args.host}:{args.port} is in use; choose another with --port",
               file=sys.stderr)
         return 1

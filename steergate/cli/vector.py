@@ -139,7 +139,7 @@ def main(argv: Sequence[str]) -> int:
         r = httpx.post(
             url, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=TIMEOUT_S
         )
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:
         err.print(
             f"error: cannot reach the gateway at {args.url}: {type(exc).__name__}"
             " (set STEERGATE_GATEWAY_URL or --url)",
@@ -150,7 +150,15 @@ def main(argv: Sequence[str]) -> int:
         err.print(f"error: {_describe(r)}", markup=False)
         return 1
     out = console()
-    doc = r.json()
+    try:
+        doc = r.json()
+    except ValueError:
+        err.print(
+            f"error: {args.url} answered {r.status_code} with something that is not JSON: "
+            "is it the gateway? (set STEERGATE_GATEWAY_URL or --url)",
+            markup=False,
+        )
+        return 1
     if args.json:
         out.print_json(data=doc)
     else:

@@ -299,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
         help="build this architecture with transformers (default: the hand-built Llama)",
     )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if Path(args.dir).exists() and not Path(args.dir).is_dir():
+        print(f"steergate tiny-model: {args.dir} exists and is not a folder", file=sys.stderr)
+        return 2
     if args.architecture is None:
         out = generate(args.dir, seed=args.seed)
         print(f"wrote tiny Llama to {out}")

@@ -61,6 +61,34 @@ def test_client_disconnect_mid_stream_releases_the_lease(
     assert post(gateway, key, chat_body()).status_code == 200
 
 
+def test_a_stream_left_early_is_charged_its_tool_schemas(
+    gateway: ServerThread, redis_url: str
+) -> None:
+    """The chat template writes `tools` into the prompt. A stream whose client left after
+    its first event was charged the estimate of the messages alone: 100 KB of tool
+    schemas (about 25k prompt tokens on a real engine) cost 4 tokens."""
+    key = make_tenant(redis_url, "acme")
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(50)}}
+    tools = [
+        {"type": "function", "function": {"name": f"f{i}", "parameters": schema}}
+        for i in range(60)
+    ]
+    tool_chars = len(orjson.dumps(tools))
+    body = chat_body(stream=True, fake_chunks=50, tools=tools, tool_choice="none")
+    with httpx.stream(
+        "POST", gateway.url + CHAT, json=body, headers={"Authorization": f"Bearer {key}"}
+    ) as r:
+        assert r.status_code == 200, r.read()
+        next(r.iter_raw())  # the first event, then hang up
+    client = redis_client(redis_url)
+    deadline = time.monotonic() + 3
+    while client.zcard("sg:{t:acme}:leases"):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    usage = httpx.get(gateway.url + "/v1/usage", headers={"Authorization": f"Bearer {key}"})
+    assert usage.json()["tokens_total"] >= tool_chars // 4 > 1000
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("leave_after_s", [0.0, 0.5])
 def test_client_disconnect_before_the_answer_cancels_the_engine_request(

@@ -2,9 +2,10 @@
 latch quota for a request, and returns everything the response headers need.
 
 Token reservation: the prompt is estimated at one token per 4 characters (the usual
-English average) plus ``max_tokens`` (``max_completion_tokens``; 256 when absent),
-capped at the tenant's tpm so a single large request is admissible when the bucket
-is full. Settlement later corrects the reservation to the engine's ``usage``.
+English average; tool schemas and tool calls count as their JSON) plus ``max_tokens``
+(``max_completion_tokens``; 256 when absent), capped at the tenant's tpm so a single
+large request is admissible when the bucket is full. Settlement later corrects the
+reservation to the engine's ``usage``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import math
 import secrets
 import time
 from typing import TYPE_CHECKING, Any
+
+import orjson
 
 from steergate.gateway.admission import refusals
 from steergate.gateway.admission.admitted import Admission
@@ -73,6 +76,14 @@ def estimate_tokens(body: dict[str, Any]) -> int:
             chars += sum(
                 len(str(part.get("text", ""))) for part in content if isinstance(part, dict)
             )
+        if isinstance(msg, dict) and isinstance(msg.get("tool_calls"), list):
+            chars += _json_chars(msg["tool_calls"])
+    # The chat template writes the tool schemas into the prompt: a 100 KB `tools` array
+    # is about 25k prompt tokens, which a stream left after its first event used to be
+    # charged nothing for (and tokens/min never saw).
+    for field in ("tools", "functions"):
+        if isinstance(body.get(field), list):
+            chars += _json_chars(body[field])
     budget = body.get(
         "max_completion_tokens", body.get("max_tokens", body.get("max_output_tokens"))
     )
@@ -85,6 +96,13 @@ def estimate_tokens(body: dict[str, Any]) -> int:
         # steering.compare: the engine runs the request twice (steergate/engine/http/compare.py)
         return 2 * (math.ceil(chars / CHARS_PER_TOKEN) + budget * n)
     return math.ceil(chars / CHARS_PER_TOKEN) + budget * n
+
+
+def _json_chars(value: Any) -> int:
+    try:
+        return len(orjson.dumps(value))
+    except (TypeError, orjson.JSONEncodeError):  # pragma: no cover - parsed JSON encodes
+        return 0
 
 
 def duration(ms: float) -> str:

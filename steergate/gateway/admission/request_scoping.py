@@ -24,6 +24,7 @@ vector data runs before the request is admitted (and counted):
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from dataclasses import dataclass
@@ -325,9 +326,18 @@ def combined_salt(salt_secret: str, client_salt: str | None) -> str:
 
 
 def scrub(data: bytes, tenant_id: str, *, error: bool = False) -> bytes:
-    """Remove scoped forms. Success bodies: only this tenant's prefix before an id
-    (generated text is otherwise left alone); error bodies: any scope prefix."""
+    """Remove scoped forms. Success bodies: only this tenant's prefix, where it starts an
+    id (not inside a word: tenant ``a``'s "banana~split" is generated text, "a~c1" after
+    a quote or a space is its id); error bodies: any scope prefix."""
     if error:
         return _ANY_SCOPE.sub(b"", data)
-    marker = f"{tenant_id}~".encode()
-    return data.replace(marker, b"") if marker in data else data
+    if f"{tenant_id}~".encode() not in data:  # the usual case: one substring search
+        return data
+    return _own_scope(tenant_id).sub(b"", data)
+
+
+@functools.lru_cache(maxsize=1024)
+def _own_scope(tenant_id: str) -> re.Pattern[bytes]:
+    return re.compile(
+        rb"(?<![A-Za-z0-9._:@~-])" + re.escape(tenant_id.encode()) + rb"~(?=[A-Za-z0-9._:@-])"
+    )

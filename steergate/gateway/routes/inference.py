@@ -473,13 +473,13 @@ def _relay_event(
     client_wants_usage: bool,
     marker: bytes,
     meter: StreamMeter,
-    on_capture: Callable[[Any], None] | None = None,
-    tenant_id: str = "",
+    on_capture: Callable[[Any], None] | None,
+    tenant_id: str,
 ) -> tuple[bytes | None, int]:
     """One SSE event out (or None to drop it), and the status of an engine's error
     event (0 otherwise); what it reports goes to ``meter``."""
     if marker in event:
-        event = event.replace(marker, b"")
+        event = scrub(event, tenant_id)
     # Chat and completions events are one ``data:`` line; the Responses API's start
     # with an ``event:`` line.
     data_at = 0 if event.startswith(b"data: {") else event.find(b"\ndata: {") + 1

@@ -127,6 +127,45 @@ def test_bad_flags_are_usage_errors_with_exit_2(cli) -> None:  # type: ignore[no
     assert cli("key")[0] == 2
 
 
+def test_odd_flags_and_urls_are_messages_not_tracebacks(cli) -> None:  # type: ignore[no-untyped-def]
+    """Each of these ended in a Python traceback (exit 1) before."""
+    for argv, says in [
+        (("tenant", "list", "--url", "http://localhost:8o80"), "not a gateway URL"),
+        (("key", "create", "acme", "--expires-at", "nan"), "not a finite number"),
+        (("key", "rotate", "key_x", "--grace", "9" * 400), "at most 100 years"),
+    ]:
+        code, _, err = cli(*argv)
+        assert code == 2 and says in err and "Traceback" not in err, (argv, err)
+
+
+def test_an_answer_that_is_not_json_is_a_message(cli) -> None:  # type: ignore[no-untyped-def]
+    """A URL that is not the gateway's but answers 200 with HTML: a JSONDecodeError
+    traceback before."""
+    import http.server
+    import threading
+
+    class Html(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+            body = b"<html>not a gateway</html>"
+            self.send_response(200)
+            self.send_header("content-type", "text/html")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Html)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        code, _, err = cli("tenant", "list", "--url", url)
+    finally:
+        server.shutdown()
+    assert code == 1 and "not JSON" in err and "Traceback" not in err, err
+
+
 def test_missing_or_wrong_admin_key_and_unreachable_gateway(
     cli, ops: Ops, monkeypatch: pytest.MonkeyPatch
 ) -> None:  # type: ignore[no-untyped-def]
