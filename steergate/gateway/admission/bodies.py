@@ -25,6 +25,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
+import threading
+import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -95,6 +98,23 @@ def vector_in_worker(raw: bytes, shape: ModelShape | None) -> tuple[Any, ...]:
         return ("error", exc.param, exc.message, exc.code)
 
 
+#: How often a worker checks that the gateway that started it is still alive.
+PARENT_POLL_S = 1.0
+
+
+def exit_with_parent(parent_pid: int, poll_s: float = PARENT_POLL_S) -> None:
+    """A worker's initializer: it exits once its gateway is gone. A gateway killed
+    outright (the OOM killer, SIGKILL after a grace period) left its workers running,
+    reparented to init, for good."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="steergate-parent-watch", daemon=True).start()
+
+
 class BodyParser:
     """The worker processes (owned by the app's lifespan) and the per-tenant turns."""
 
@@ -107,7 +127,9 @@ class BodyParser:
     def start(self) -> None:
         # spawn, not fork: the gateway process has threads (the executor's, Redis's).
         spawn = multiprocessing.get_context("spawn")
-        self._pool = ProcessPoolExecutor(self.workers, mp_context=spawn)
+        self._pool = ProcessPoolExecutor(
+            self.workers, mp_context=spawn, initializer=exit_with_parent, initargs=(os.getpid(),)
+        )
 
     def close(self) -> None:
         if self._pool is not None:
