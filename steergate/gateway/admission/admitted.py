@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from steergate.gateway.store.key_names import LatchEntry
 from steergate.gateway.tenancy.records import Tenant
 
 
@@ -37,5 +38,4 @@ class Admission:
     @property
     def latch_digest(self) -> str:
         """Digest of the latch Redis holds for the conversation ("" = none)."""
-        parts = self.prev_latch.split(":")
-        return parts[2] if len(parts) > 2 else ""
+        return LatchEntry.parse(self.prev_latch).digest

@@ -258,7 +258,7 @@ class Limiter:
             vector_digests=digests,
             lease_expiry_ms=expiry_ms,
             key_id=key_id,
-            left_latch=f"{max(latch_bytes, _bytes_of(prev))}:{latch_kind}" if planned else prev,
+            left_latch=_left_latch(prev, latch_bytes, latch_kind) if planned else prev,
         )
         if self.settler is not None:
             self.settler.leases.hold(adm)
@@ -317,7 +317,8 @@ def _rejection(
     )
 
 
-def _bytes_of(info: str) -> int:
-    """The bytes of a ledger entry ("bytes:kind[:digest]"; "" = none)."""
-    head = info.split(":", 1)[0]
-    return int(head) if head.isdigit() else 0
+def _left_latch(prev: str, nbytes: int, kind: str) -> str:
+    """The pending entry of a planned latch: it holds the larger of its own and the
+    replaced latch's bytes until the turn settles (``keep_latch.lua`` sets the exact
+    size), so a failed shrinking turn never puts the tenant over its quota."""
+    return str(keys.LatchEntry(max(nbytes, keys.LatchEntry.parse(prev).nbytes), kind))

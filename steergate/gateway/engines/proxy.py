@@ -256,7 +256,7 @@ class Turn:
         spec = self.prep.spec
         if spec is None or engine_state not in KEEP_STATES or not self.head.conversation_id:
             return
-        info = f"{spec.nbytes}:{spec.kind}:{spec.digest}"
+        info = str(keys.LatchEntry(spec.nbytes, spec.kind, spec.digest))
         try:
             async with store_errors():
                 orphaned = await self.scripts.run(

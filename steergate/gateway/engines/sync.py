@@ -119,9 +119,9 @@ class EngineSync:
             if not exists or info is None:
                 extra.append(("latch", scoped))
                 continue
-            parts = info.split(":")
+            recorded = keys.LatchEntry.parse(info).digest
             # No digest yet: the turn storing it has not recorded it; leave it be.
-            if len(parts) > 2 and parts[2] != digest:
+            if recorded and recorded != digest:
                 extra.append(("latch", scoped))
         return extra
 

@@ -26,12 +26,12 @@ async def list_latches(tenant: TenantDep, svc: ServicesDep) -> Response:
         info = await svc.redis.hgetall(keys.latch_info(tenant.id))
     rows = []
     for conv, used in reversed(members):  # most recently used first
-        nbytes, kind = (info.get(conv) or "0:ref").split(":")[:2]
+        entry = keys.LatchEntry.parse(info.get(conv))
         rows.append(
             {
                 "conversation_id": conv,
-                "bytes": int(nbytes),
-                "kind": kind or "ref",
+                "bytes": entry.nbytes,
+                "kind": entry.kind,
                 "last_used": used / 1000.0,
             }
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import calendar
 import functools
 import time
+from dataclasses import dataclass
 
 PREFIX = "sg"
 
@@ -135,6 +136,27 @@ def latch_info(tenant_id: str) -> str:
     """Hash client conversation_id -> "<bytes>:<value|ref>[:<latch digest>]" (the digest
     is written once the engine has stored the latch, with its spec)."""
     return _t(tenant_id, "latch:info")
+
+
+@dataclass(frozen=True)
+class LatchEntry:
+    """One value of :func:`latch_info`: ``"<bytes>:<kind>[:<digest>]"``. The Lua
+    scripts read it with their own ``bytes_of``; Python reads it only here."""
+
+    nbytes: int = 0
+    kind: str = "ref"
+    #: "" until the engine has stored the latch and the gateway recorded it.
+    digest: str = ""
+
+    @classmethod
+    def parse(cls, info: str | None) -> LatchEntry:
+        """The entry ``info`` holds; ``None`` or "" (no latch) is zero bytes."""
+        head, _, rest = (info or "").partition(":")
+        kind, _, digest = rest.partition(":")
+        return cls(int(head) if head.isdigit() else 0, kind or "ref", digest)
+
+    def __str__(self) -> str:
+        return f"{self.nbytes}:{self.kind}" + (f":{self.digest}" if self.digest else "")
 
 
 def latch_bytes(tenant_id: str) -> str:

@@ -198,3 +198,33 @@ def test_the_tenant_generation_check_runs_first_in_every_tenant_call() -> None:
         assert text.endswith(lua_source(call.script))
         guarded = text.startswith(lua_source(TENANT_GENERATION))
         assert guarded == issubclass(call, TenantCall), call.script
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [keys.LatchEntry(96, "value", "d1"), keys.LatchEntry(0, "ref"), keys.LatchEntry(7, "ref")],
+)
+async def test_latch_entries_read_the_same_in_python_and_in_keep_latch_lua(
+    entry: keys.LatchEntry,
+) -> None:
+    """The ledger entry's one Python reader (``LatchEntry``) and the scripts' ``bytes_of``
+    agree: keep_latch.lua counts the bytes Python wrote, and Python reads back its entry."""
+    redis = fakeredis.FakeAsyncRedis(decode_responses=True)
+    scripts = Scripts.load(redis)
+    tenant = Tenant(id="t")
+    await redis.set(keys.tenant_record("t"), tenant.record())
+    await redis.hset(keys.latch_info("t"), "c", "5:ref")  # the pending entry admission left
+    await redis.set(keys.latch_bytes("t"), 5)
+    keep = KeepLatch(
+        tenant_id="t", generation=tenant.created_at, conversation_id="c", info=str(entry), spec="s"
+    )
+    await scripts.run(keep)
+    info = await redis.hget(keys.latch_info("t"), "c")
+    assert keys.LatchEntry.parse(info) == entry
+    assert int(await redis.get(keys.latch_bytes("t")) or 0) == entry.nbytes
+
+
+def test_a_pending_or_missing_latch_entry_has_no_digest() -> None:
+    assert keys.LatchEntry.parse("64:value") == keys.LatchEntry(64, "value", "")
+    assert keys.LatchEntry.parse("") == keys.LatchEntry.parse(None) == keys.LatchEntry(0, "ref")
+    assert str(keys.LatchEntry(64, "value")) == "64:value"
