@@ -33,7 +33,7 @@ def test_error_bodies_lose_every_scope_prefix() -> None:
 
 def test_stream_events_are_scrubbed_as_bodies_are() -> None:
     event = b"data: " + orjson.dumps({"choices": [{"delta": {"content": TEXT}}]})
-    out, failed = _relay_event(event, True, b"a~", StreamMeter(), None, "a")
+    out, failed = _relay_event(event, True, StreamMeter(), None, "a")
     assert out is not None and not failed
     content = orjson.loads(out[6:])["choices"][0]["delta"]["content"]
     assert "banana~split" in content and "data~backup" in content

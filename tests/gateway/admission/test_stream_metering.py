@@ -125,10 +125,10 @@ def test_prompt_estimate_ignores_the_completion_budget() -> None:
 def test_relay_drops_only_the_usage_chunk_the_gateway_asked_for() -> None:
     usage = _event({"choices": [], "usage": {"total_tokens": 8}})
     meter = StreamMeter()
-    assert _relay_event(usage, False, b"acme~", meter, None, "acme") == (None, 0)
-    assert _relay_event(usage, True, b"acme~", meter, None, "acme") == (usage + b"\n\n", 0)
+    assert _relay_event(usage, False, meter, None, "acme") == (None, 0)
+    assert _relay_event(usage, True, meter, None, "acme") == (usage + b"\n\n", 0)
     content = _event(_chunk("hi acme~x"))
-    assert _relay_event(content, False, b"acme~", meter, None, "acme") == (
+    assert _relay_event(content, False, meter, None, "acme") == (
         _event(_chunk("hi x")) + b"\n\n",
         0,
     )
