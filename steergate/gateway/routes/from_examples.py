@@ -116,13 +116,17 @@ async def from_examples(
     )
     async with admitted(svc.settler, admission) as call:
         usage = Usage()
+
+        async def job() -> tuple[dict[str, Any], bool]:
+            # Again once the tenant's turn is held: a job of the same tenant that ran
+            # meanwhile may have taken the room (nothing charged when refused here).
+            await precheck_quota(svc, tenant.id, tenant.limits, name, nbytes)
+            return await _make(name, spec, tenant, svc, shape, usage)
+
         try:
             # A client that leaves stops the job: its engine request is cancelled (vLLM
             # aborts it) and no later batch, vector or store runs for nobody.
-            made = await unless_client_leaves(
-                _held(svc, tenant.id, held, lambda: _make(name, spec, tenant, svc, shape, usage)),
-                request.receive,
-            )
+            made = await unless_client_leaves(_held(svc, tenant.id, held, job), request.receive)
         finally:
             # What the engine did is charged even when a later step failed.
             call.tokens, call.prompt_tokens = usage.total, usage.prompt_tokens

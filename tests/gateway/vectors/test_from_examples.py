@@ -169,6 +169,32 @@ def test_vector_quota_applies_before_any_tokens_are_spent(
     assert make(gateway, key, "a", {"positive": CITY, "negative": OCEAN}).status_code == 200
 
 
+def test_a_job_queued_behind_the_tenants_own_job_that_took_the_room_is_charged_nothing(
+    gateway: ServerThread, fake_engine: FakeEngine, redis_url: str
+) -> None:
+    """Found from outside: a tenant's jobs run one at a time, and all of them passed
+    the up-front quota check before the first stored its vector; the later ones were
+    refused (429) only at the store, after their engine work was charged. The quota is
+    checked again once a job's turn comes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    key = make_tenant(redis_url, "acme", vector_count=1)
+    body = {"positive": OCEAN, "negative": CITY}
+    fake_engine.state.delay_s = 0.5
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(make, gateway, key, "a", body)
+        time.sleep(0.2)  # the first job holds the tenant's turn (its batch is in flight)
+        second = make(gateway, key, "b", body)
+        assert first.result().status_code == 201
+    fake_engine.state.delay_s = 0.0
+    assert second.status_code == 429, second.text
+    assert second.json()["error"]["code"] == "vector_quota_exceeded"
+    charged = first.result().json()["report"]["usage"]["total_tokens"]
+    time.sleep(0.3)  # settlement is batched off the hot path
+    usage = get(gateway, key, "/v1/usage").json()
+    assert usage["tokens_total"] == charged  # the 429 cost nothing
+
+
 HOSTILE: list[tuple[dict[str, Any], str, str]] = [
     ({"positive": [], "negative": CITY}, "positive", "invalid_request"),
     ({"positive": OCEAN, "negative": []}, "negative", "invalid_request"),
