@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from steergate.gateway.admission.limits import estimate_tokens
@@ -90,6 +90,8 @@ class Head:
     #: ``capture``, structure checked (sites bounded); layers and bytes are checked
     #: against the model's shape before admission too (routes/inference.py).
     capture: CaptureSpec | None = None
+    #: Each name's first term (its index in ``steering.vectors``), for error params.
+    first_term: dict[str, int] = field(default_factory=dict, hash=False)
 
     def latch_bytes(self, shape: ModelShape | None) -> int:
         # Without a known shape the engine still enforces its caps; the keep step
@@ -127,7 +129,7 @@ def prescan(body: dict[str, Any], budget: InlineBudget = InlineBudget()) -> Head
     if body.get("conversation_id") is not None:
         conv = check_conversation_id(body["conversation_id"])
     raw = body.get("steering")
-    names: dict[str, None] = {}
+    names: dict[str, int] = {}
     sites: set[tuple[Any, Any]] = set()
     directions = 0  # inline clamp/ablate directions: each is latched on its own
     latch = False
@@ -149,7 +151,7 @@ def prescan(body: dict[str, Any], budget: InlineBudget = InlineBudget()) -> Head
             if not isinstance(term, dict):
                 raise InvalidField(param, f"'{param}' must be an object")
             if "name" in term:
-                names[check_vector_name(term["name"], f"{param}.name")] = None
+                names.setdefault(check_vector_name(term["name"], f"{param}.name"), i)
             else:
                 hook = term.get("hook")
                 hook = hook if isinstance(hook, str) else repr(hook)  # malformed: named later
@@ -170,6 +172,7 @@ def prescan(body: dict[str, Any], budget: InlineBudget = InlineBudget()) -> Head
         capture=capture,
         conversation_id=conv,
         names=tuple(names),
+        first_term=names,
         steered=raw is not None,
         latch=latch,
         latch_vectors=len(sites) + directions if latch else 0,

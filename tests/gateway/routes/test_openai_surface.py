@@ -169,6 +169,23 @@ def test_every_gateway_error_class_has_the_openai_shape_with_httpx(
     assert not_allowed.headers["allow"] == "GET"
 
 
+def test_an_unknown_vector_is_named_by_its_term_as_the_engine_names_it_and_not_echoed(
+    gateway: ServerThread, key: str
+) -> None:
+    """Found from outside: the gateway said ``param: steering.vectors`` and echoed the
+    name; the engine (and docs/latches.md) say ``steering.vectors[i].name`` and do not."""
+    put_vector(gateway, key, "known")
+    steering = {"vectors": [{"name": "known"}, {"name": "secret-plan"}, {"name": "secret-plan"}]}
+    r = httpx.post(
+        f"{gateway.url}/v1/chat/completions",
+        headers=h(key),
+        json={"messages": MSG, "steering": steering},
+    )
+    err = assert_openai_error(r, 400, "unknown_vector")
+    assert err["param"] == "steering.vectors[1].name"
+    assert "secret-plan" not in err["message"]
+
+
 def test_vllm_errors_reach_the_client_in_the_openai_shape(gateway: ServerThread, key: str) -> None:
     """vLLM's own refusals (``"type": "BadRequestError", "code": 400``) are rewritten
     by the engine's plugin: string code, param kept."""
