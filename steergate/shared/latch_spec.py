@@ -134,11 +134,14 @@ def sum_inline(terms: Iterable[InlineTerm]) -> dict[Site, np.ndarray]:
 def accumulate(
     sites: dict[Site, np.ndarray], site: Site, vec: np.ndarray, scale: np.float32
 ) -> None:
-    scaled = np.asarray(vec, dtype=np.float32) * scale
-    if site in sites:
-        sites[site] = sites[site] + scaled
-    else:
-        sites[site] = scaled.astype(np.float32, copy=True)
+    # A sum that overflows to inf is refused afterwards, naming the field (the range
+    # checks of the gateway and the engine); numpy need not warn in the log too.
+    with np.errstate(over="ignore"):
+        scaled = np.asarray(vec, dtype=np.float32) * scale
+        if site in sites:
+            sites[site] = sites[site] + scaled
+        else:
+            sites[site] = scaled.astype(np.float32, copy=True)
 
 
 def clamp_items(

@@ -87,3 +87,19 @@ def test_packed_data_of_the_right_length_is_decoded_as_before(
     with pytest.raises(InvalidField) as exc:
         parse_steering(_packed(data, dtype), ModelShape(8, 4))
     assert message in exc.value.message
+
+
+def test_a_sum_that_overflows_is_left_to_the_range_check_without_a_numpy_warning() -> None:
+    """Found from outside: two terms near float32's maximum at one site printed numpy's
+    RuntimeWarning into the server log before the (correct) 400."""
+    import warnings
+
+    from steergate.shared.latch_spec import accumulate
+
+    sites: dict = {}
+    big = np.full(4, 3e38, dtype=np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        accumulate(sites, ("post_block", 1), big, np.float32(1.0))
+        accumulate(sites, ("post_block", 1), big, np.float32(1.0))
+    assert np.isinf(sites[("post_block", 1)]).all()
