@@ -93,6 +93,12 @@ class Head:
     #: Each name's first term (its index in ``steering.vectors``), for error params.
     first_term: dict[str, int] = field(default_factory=dict, hash=False)
 
+    def unknown_vector(self, name: str) -> InvalidField:
+        """The 400 for a named vector the tenant lacks, as the engine says it: the term
+        named, the name not echoed (it may be tenant-scoped)."""
+        param = f"steering.vectors[{self.first_term.get(name, 0)}].name"
+        return InvalidField(param, f"'{param}': no vector with this name", code="unknown_vector")
+
     def latch_bytes(self, shape: ModelShape | None) -> int:
         # Without a known shape the engine still enforces its caps; the keep step
         # records the exact size once the engine has stored the latch.

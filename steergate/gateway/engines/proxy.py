@@ -35,7 +35,7 @@ from steergate.gateway.store import key_names as keys
 from steergate.gateway.store.connection import Redis, store_errors
 from steergate.gateway.store.scripts import KeepLatch, Scripts, TenantGone
 from steergate.shared.engine_api import EXPECT_FIELD, KEEP_STATES
-from steergate.shared.errors import APIError, InvalidField
+from steergate.shared.errors import APIError
 from steergate.shared.latch_spec import LatchSpec, SpecError, decode_spec
 from steergate.shared.scoping import scope, unscope
 
@@ -197,9 +197,7 @@ class Turn:
                     # The latch refers to a vector the tenant deleted: it is stale.
                     await self._drop_stale_latch()
                     return
-                raise InvalidField(
-                    "steering.vectors", f"no vector named '{name}'", code="unknown_vector"
-                )
+                raise self.head.unknown_vector(name)  # deleted since admission read it
             await self.engines.put_vector(self.engine, self.tenant_id, name, data.encode())
 
     async def _drop_stale_latch(self) -> None:

@@ -190,9 +190,7 @@ def _check_names(head: Head, adm: Admission) -> None:
         return
     for name in head.names:
         if not adm.vector_digests.get(name):
-            # As the engine says it: the name is not echoed (it may be tenant-scoped).
-            param = f"steering.vectors[{head.first_term.get(name, 0)}].name"
-            raise InvalidField(param, f"'{param}': no vector with this name", code="unknown_vector")
+            raise head.unknown_vector(name)
 
 
 def _latch_state(adm: Admission, engine_state: str | None) -> str:
