@@ -34,6 +34,10 @@ class Admission:
     #: "bytes:kind" of a latch it planned, else ``prev_latch``. Settlement undoes or
     #: drops only this entry: one a concurrent turn wrote since is not its to change.
     left_latch: str = ""
+    #: What admission removed for each latch it evicted: (conversation, last use,
+    #: ledger entry, spec). Handed back to settlement, which puts them back should this
+    #: turn's latch not be kept (``settle_request.lua``).
+    evicted_latches: tuple[tuple[str, str, str, str], ...] = ()
 
     @property
     def latch_digest(self) -> str:

@@ -244,6 +244,8 @@ class Limiter:
             raise _rejection(status, tenant, int(r[1]), headers, key_rpm, key_conc)
         digests = {n: str(d or "") for n, d in zip(names, r[7 : 7 + n_names], strict=True)}
         prev = str(r[6] or "")
+        n_evicted = int(r[7 + n_names]) if len(r) > 7 + n_names else 0
+        evicted = [str(v) for v in r[8 + n_names : 8 + n_names + n_evicted]]
         # admit_request.lua plans no latch for one naming a vector the tenant lacks
         planned = latch and bool(conversation_id) and all(digests.values())
         adm = Admission(
@@ -253,7 +255,8 @@ class Limiter:
             conversation_id=conversation_id,
             latch=latch,
             prev_latch=prev,
-            evicted=[str(v) for v in r[7 + n_names :]],
+            evicted=evicted,
+            evicted_latches=_saved_latches(evicted, r[8 + n_names + len(evicted) :]),
             headers=headers,
             vector_digests=digests,
             lease_expiry_ms=expiry_ms,
@@ -315,6 +318,19 @@ def _rejection(
         retry=duration(retry_ms),
         period=budget.period if budget else "day",
     )
+
+
+def _saved_latches(
+    evicted: list[str], saved: list[Any]
+) -> tuple[tuple[str, str, str, str], ...]:
+    """Each evicted recorded latch with its last use, entry and spec (a pending entry
+    that admission reclaimed is no latch to put back)."""
+    out = []
+    for i, conv in enumerate(evicted):
+        used, info, spec = (str(v or "") for v in saved[3 * i : 3 * i + 3])
+        if info:
+            out.append((conv, used, info, spec))
+    return tuple(out)
 
 
 def _left_latch(prev: str, nbytes: int, kind: str) -> str:

@@ -453,6 +453,7 @@ class Settler:
         for o in batch:
             a = o.admission
             prompt, completion = o.split()
+            action = latch_action(o)
             call = SettleRequest(
                 tenant_id=a.tenant.id,
                 generation=a.tenant.created_at,
@@ -463,13 +464,16 @@ class Settler:
                 status_class=status_class(o.status),
                 tokens_used=o.tokens_used if o.tokens_used >= 0 else a.reserved_tokens,
                 conversation_id=a.conversation_id or "",
-                latch_action=latch_action(o),
+                latch_action=action,
                 prev_latch=a.prev_latch,
                 cancel_expiry_ms=a.lease_expiry_ms if o.cancelled else 0,
                 prompt_tokens=prompt,
                 completion_tokens=completion,
                 key_id=a.key_id,
                 left_latch=a.left_latch,
+                latch_count_quota=a.tenant.limits.latch_count,
+                latch_bytes_quota=a.tenant.limits.latch_bytes,
+                evicted_latches=a.evicted_latches if action in ("drop", "restore") else (),
             )
             calls.append(wire(call))
         if len(calls) == 1:  # the usual case at low load: a pipeline costs more than it saves

@@ -248,6 +248,11 @@ class SettleRequest(TenantCall):
     #: The ledger entry the request's admission left (``Admission.left_latch``): a
     #: "drop" or "restore" applies only while the entry is still that one.
     left_latch: str
+    latch_count_quota: int = 0
+    latch_bytes_quota: int = 0
+    #: The latches its admission evicted (``Admission.evicted_latches``): a "drop" or
+    #: "restore" puts them back where they still fit the quota.
+    evicted_latches: Sequence[tuple[str, str, str, str]] = ()
 
     def keys(self) -> Sequence[str]:
         return key_names.admit_keys(self.tenant_id, self.now_ms // 60000, self.key_id)
@@ -270,6 +275,9 @@ class SettleRequest(TenantCall):
             self.key_id,
             key_names.USAGE_DAY_TTL_S,
             self.left_latch,
+            self.latch_count_quota,
+            self.latch_bytes_quota,
+            *(item for latch in self.evicted_latches for item in latch),
         ]
 
 

@@ -186,3 +186,33 @@ def test_a_failed_shrinking_turn_never_puts_the_tenant_over_its_latch_bytes(ops:
     quota = ops.get(key, "/v1/usage").json()["quotas"]["latch_bytes"]
     assert quota["used"] <= quota["limit"] == 64, quota
     assert _latched(ops, key) == ["c2"] and quota["used"] == 32
+
+
+def test_a_failed_turn_puts_back_what_it_evicted_only_where_it_still_fits(ops: Ops) -> None:
+    """The failing turn on c1 evicts c0 at admission; c2 latches meanwhile, evicting
+    c1's pending entry and taking the one place. c1's failure would put c0 back, but
+    the quota has no room for it now: c2 alone stays, within the quota."""
+    key = ops.tenant("acme", latch_count=1)
+    assert ops.chat(key, **_turn("c0", 0.1)).status_code == 200
+
+    async def latching(client: httpx.AsyncClient) -> httpx.Response:
+        return await client.post(ops.url + "/v1/chat/completions", json=_turn("c2", 0.2))
+
+    failed, other = _race(ops, key, latching)
+    assert failed.status_code >= 500, failed.text
+    assert other.status_code == 200 and other.headers["x-steering-latch"] == "evicted_quota"
+    ops.wait_for(lambda: ops.get(key, "/v1/usage").json()["quotas"]["latch_count"]["used"] <= 1)
+    assert _latched(ops, key) == ["c2"]
+    quota = ops.get(key, "/v1/usage").json()["quotas"]["latch_count"]
+    assert (quota["used"], quota["limit"]) == (1, 1)
+
+
+def test_a_failed_turn_alone_puts_back_the_latch_it_evicted(ops: Ops) -> None:
+    key = ops.tenant("acme", latch_count=1)
+    assert ops.chat(key, **_turn("c0", 0.1)).status_code == 200
+    body = _turn("c1", 0.3, fake_raise=True)
+    r = httpx.post(ops.url + "/v1/chat/completions", json=body, headers=bearer(key), timeout=30)
+    assert r.status_code >= 500, r.text
+    ops.wait_for(lambda: _latched(ops, key) == ["c0"])
+    state = ops.chat(key, conversation_id="c0").headers["x-steering-latch"]
+    assert state in ("bridged", "restored")

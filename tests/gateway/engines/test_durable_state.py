@@ -214,7 +214,7 @@ def test_a_latching_request_refused_with_400_evicts_no_other_latch(
     assert latched.headers["x-steering-latch"] == "latched"
     steered = text(latched)
     for bad, extra, param in [
-        ({"vectors": [{"name": "nope"}], "latch": True}, {}, "steering.vectors"),
+        ({"vectors": [{"name": "nope"}], "latch": True}, {}, "steering.vectors[0].name"),
         (
             {"vectors": [{"hook": "post_attn", "layers": {"2": [0.5] * 7}}], "latch": True},
             {},
@@ -237,6 +237,48 @@ def test_a_latching_request_refused_with_400_evicts_no_other_latch(
         assert [lat["conversation_id"] for lat in listed] == ["c1"], (param, listed)
         r = chat(gateway, key, conversation_id="c1")  # still steered by its latch
         assert r.headers["x-steering-latch"] == "bridged" and text(r) == steered, param
+
+
+def test_a_latching_turn_the_engine_refuses_or_that_fails_upstream_evicts_no_other_latch(
+    gateway: ServerThread, fake_engine: FakeEngine, redis_url: str
+) -> None:
+    """Found from outside: with a quota of one latch, a latching request on c2 that the
+    engine refused (beam search, more clamp directions at a point than it allows) or
+    that never reached it (502) evicted c1 for good at admission. Settlement now puts
+    back what admission evicted when the turn's latch was not kept."""
+    key = make_tenant(redis_url, "acme", latch_count=1)
+    auth = {"Authorization": f"Bearer {key}"}
+    steered = text(chat(gateway, key, conversation_id="c1", steering=inline(0.5)))
+    client = redis_client(redis_url)
+    spec = client.hget(keys.latch_specs("acme"), "c1")
+    ablate = {"op": "ablate", "hook": "post_attn", "layers": {"2": [1.0] + [0.0] * 7}}
+    body = {"model": "stub", "messages": [{"role": "user", "content": "hi"}]}
+    body["conversation_id"] = "c2"
+
+    def latched() -> list[str]:
+        listed = httpx.get(gateway.url + "/v1/steering/latches", headers=auth).json()
+        return [lat["conversation_id"] for lat in listed]
+
+    for bad, extra, param in [
+        (inline(0.7), {"use_beam_search": True}, "use_beam_search"),
+        ({"vectors": [ablate] * 5, "latch": True}, {}, "steering.vectors"),
+    ]:
+        r = httpx.post(
+            gateway.url + CHAT, json={**body, "steering": bad, **extra}, headers=auth, timeout=30
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        wait_for(lambda: latched() == ["c1"], 5)  # put back by the turn's settlement
+        assert client.hget(keys.latch_specs("acme"), "c1") == spec
+        r = chat(gateway, key, conversation_id="c1")  # still steered by its latch
+        assert r.headers["x-steering-latch"] in ("bridged", "restored") and text(r) == steered
+    stop(fake_engine)
+    r = httpx.post(
+        gateway.url + CHAT, json={**body, "steering": inline(0.7)}, headers=auth, timeout=30
+    )
+    assert r.status_code == 502, r.text
+    wait_for(lambda: latched() == ["c1"], 5)
+    assert client.hget(keys.latch_specs("acme"), "c1") == spec
+    assert int(client.get(keys.latch_bytes("acme"))) == 32  # c1's 8 floats, nothing else
 
 
 # -- vectors ----------------------------------------------------------------------------

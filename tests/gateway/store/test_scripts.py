@@ -105,10 +105,14 @@ def test_settle_request_puts_each_named_field_at_its_argv_position() -> None:
         completion_tokens=13,
         key_id="key",
         left_latch="16:value",
+        latch_count_quota=17,
+        latch_bytes_quota=18,
+        evicted_latches=[("c19", "20", "21:ref:d", "s22"), ("c23", "24", "25:value:d", "s26")],
     )
     assert call.argv() == [
         60_000, "lease", 3, -4, "2xx", 6, "conv", "keep", "9:ref", keys.USAGE_MINUTE_TTL_S,
-        11, 12, 13, "key", keys.USAGE_DAY_TTL_S, "16:value",
+        11, 12, 13, "key", keys.USAGE_DAY_TTL_S, "16:value", 17, 18,
+        "c19", "20", "21:ref:d", "s22", "c23", "24", "25:value:d", "s26",
     ]  # fmt: skip
     assert call.keys() == keys.admit_keys("acme", 1, "key")
 

@@ -41,7 +41,10 @@
 -- Returns {status, retry_ms, req_remaining, req_reset_ms, tok_remaining, tok_reset_ms,
 --          latch_info of the conversation before this request ("" if none),
 --          N digests of the named vectors ("" where the tenant has no such vector),
---          evicted conv ids...}
+--          E, E evicted conv ids, then per evicted conv its last use, ledger entry and
+--          spec, or "" "" "" where it was no recorded latch (a pending entry): the
+--          gateway hands them back to settle_request.lua should the turn not keep its
+--          latch, so a failed turn's evictions are undone where they still fit}
 -- status: 0 admitted, 1 requests/min, 2 tokens/min, 3 concurrency, 4 latch quota,
 --         5 past its deadline (nothing written), 6 token budget spent, 7 the key's own
 --         requests/min, 8 the key's own concurrency. Every refusal but 5 is counted in
@@ -248,6 +251,7 @@ if conv ~= "" and want_latch then
 end
 
 -- 4. Commit.
+local saved = {}
 redis.call("SET", KEYS[1], r_tat, "PX", math.ceil(r_tat - now) + 1000)
 redis.call("SET", KEYS[2], t_tat, "PX", math.ceil(t_tat - now) + 1000)
 redis.call("ZADD", KEYS[3], tonumber(ARGV[7]), ARGV[6])
@@ -277,6 +281,17 @@ redis.call("EXPIRE", KEYS[11], rollup_ttl)
 if conv ~= "" then
   if want_latch then
     for _, victim in ipairs(evicted) do
+      local info = redis.call("HGET", KEYS[7], victim) or ""
+      local spec = redis.call("HGET", KEYS[9], victim)
+      if spec and string.match(info, "^%d+:%a+:") then
+        saved[#saved + 1] = redis.call("ZSCORE", KEYS[6], victim)
+        saved[#saved + 1] = info
+        saved[#saved + 1] = spec
+      else
+        saved[#saved + 1] = ""
+        saved[#saved + 1] = ""
+        saved[#saved + 1] = ""
+      end
       redis.call("ZREM", KEYS[6], victim)
       redis.call("HDEL", KEYS[7], victim)
       redis.call("HDEL", KEYS[9], victim)
@@ -289,5 +304,7 @@ if conv ~= "" then
   end
 end
 local out = named_digests({0, 0, r_rem, r_reset, t_rem, t_reset, prev})
+out[#out + 1] = #evicted
 for _, victim in ipairs(evicted) do out[#out + 1] = victim end
+for _, item in ipairs(saved) do out[#out + 1] = item end
 return out

@@ -28,6 +28,13 @@
 --          while the entry is still that one. A concurrent turn that recorded or replaced
 --          the latch since owns it: a failed or stale turn must not undo that (absent: a
 --          gateway of the previous version, no check).
+-- ARGV[17] latch_count quota   ARGV[18] latch_bytes quota   ARGV[19..] per latch this
+--          request's admission evicted: conversation, last use, ledger entry, spec (as
+--          admit_request.lua returned them). A "drop" or "restore" puts each back, most
+--          recently used first, unless its conversation latched again since or it no
+--          longer fits the quota: a turn whose latch was not kept (refused by the
+--          engine, failed upstream) costs no other conversation its latch. "keep": the
+--          evictions stand.
 -- Returns 1 when action was "keep" but the latch is no longer ours in Redis (it was
 -- evicted while the request ran). Nothing needs doing about it: an engine never bridges
 -- a latch Redis does not expect, and the engine sync deletes its copy. Else 0.
@@ -96,8 +103,31 @@ end
 local conv, action = ARGV[7], ARGV[8]
 if conv == "" or action == "" then return 0 end
 local cur = redis.call("HGET", KEYS[7], conv)
-if action ~= "keep" and ARGV[16] ~= nil and (cur or "") ~= ARGV[16] then return 0 end
 local function bytes_of(info) return tonumber(string.match(info or "0", "^(%d+)") or "0") end
+
+local function unevict()
+  if ARGV[19] == nil then return end
+  local max_count, max_bytes = tonumber(ARGV[17]), tonumber(ARGV[18])
+  local count = redis.call("ZCARD", KEYS[6])
+  local total = tonumber(redis.call("GET", KEYS[8]) or "0")
+  for i = #ARGV - 3, 19, -4 do
+    local victim, used, info, spec = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+    local nbytes = bytes_of(info)
+    if info ~= "" and redis.call("HEXISTS", KEYS[7], victim) == 0
+        and count + 1 <= max_count and total + nbytes <= max_bytes then
+      redis.call("ZADD", KEYS[6], tonumber(used), victim)
+      redis.call("HSET", KEYS[7], victim, info)
+      redis.call("HSET", KEYS[9], victim, spec)
+      redis.call("INCRBY", KEYS[8], nbytes)
+      count, total = count + 1, total + nbytes
+    end
+  end
+end
+
+if action ~= "keep" and ARGV[16] ~= nil and (cur or "") ~= ARGV[16] then
+  unevict()
+  return 0
+end
 local function remove()
   if cur then
     redis.call("ZREM", KEYS[6], conv)
@@ -115,14 +145,16 @@ elseif action == "restore" then
   -- Only over the entry this turn's admission left: if it is gone, a quota eviction or a
   -- client DELETE removed the conversation meanwhile, and putting the earlier state back
   -- would resurrect it (over the quota, without its spec).
-  if not cur then return 0 end
-  remove()
-  if ARGV[9] ~= "" then
-    redis.call("ZADD", KEYS[6], now, conv)
-    redis.call("HSET", KEYS[7], conv, ARGV[9])
-    redis.call("INCRBY", KEYS[8], bytes_of(ARGV[9]))
-  else
-    redis.call("HDEL", KEYS[9], conv)
+  if cur then
+    remove()
+    if ARGV[9] ~= "" then
+      redis.call("ZADD", KEYS[6], now, conv)
+      redis.call("HSET", KEYS[7], conv, ARGV[9])
+      redis.call("INCRBY", KEYS[8], bytes_of(ARGV[9]))
+    else
+      redis.call("HDEL", KEYS[9], conv)
+    end
   end
 end
+unevict()  -- "drop" or "restore": this turn's latch was not kept
 return 0
