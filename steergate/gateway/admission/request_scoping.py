@@ -78,7 +78,9 @@ class Head:
     """What admission needs, read without touching vector data."""
 
     conversation_id: str | None
-    names: tuple[str, ...]  # the named vectors used, client form, first-use order
+    #: The named vectors used (client form, first-use order), each with its first
+    #: term's index in ``steering.vectors`` (for error params).
+    first_term: dict[str, int] = field(hash=False)
     steered: bool  # the request carries its own ``steering``
     latch: bool
     #: Vectors a by-value latch of this request keeps, as the engine stores it
@@ -90,8 +92,11 @@ class Head:
     #: ``capture``, structure checked (sites bounded); layers and bytes are checked
     #: against the model's shape before admission too (routes/inference.py).
     capture: CaptureSpec | None = None
-    #: Each name's first term (its index in ``steering.vectors``), for error params.
-    first_term: dict[str, int] = field(default_factory=dict, hash=False)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The named vectors used, client form, first-use order."""
+        return tuple(self.first_term)
 
     def unknown_vector(self, name: str) -> InvalidField:
         """The 400 for a named vector the tenant lacks, as the engine says it: the term
@@ -177,7 +182,6 @@ def prescan(body: dict[str, Any], budget: InlineBudget = InlineBudget()) -> Head
     return Head(
         capture=capture,
         conversation_id=conv,
-        names=tuple(names),
         first_term=names,
         steered=raw is not None,
         latch=latch,
