@@ -202,7 +202,9 @@ end
 
 -- 3. Latch quota: plan evictions (own LRU latches only) before writing anything.
 local evicted = {}
-local gone = {}
+local evicted_info = {}  -- victim -> its ledger entry, as planned on
+-- A recorded latch's entry has its digest ("bytes:kind:digest"); a pending one has not.
+local function recorded(info) return string.match(info, "^%d+:%a+:") ~= nil end
 local new_total = 0
 local reserve = 0
 if conv ~= "" and want_latch then
@@ -223,11 +225,11 @@ if conv ~= "" and want_latch then
     for _, victim in ipairs(idle) do
       if count + 1 <= max_count and total + nbytes <= max_bytes then break end
       local info = redis.call("HGET", KEYS[7], victim) or "0"
-      if victim ~= conv and not string.match(info, "^%d+:%a+:") then
+      if victim ~= conv and not recorded(info) then
         total = total - tonumber(string.match(info, "^(%d+)") or "0")
         count = count - 1
         evicted[#evicted + 1] = victim
-        gone[victim] = true
+        evicted_info[victim] = info
       end
     end
   end
@@ -239,11 +241,12 @@ if conv ~= "" and want_latch then
     local lru = redis.call("ZRANGE", KEYS[6], 0, -1)
     for _, victim in ipairs(lru) do
       if count + 1 <= max_count and total + nbytes <= max_bytes then break end
-      if victim ~= conv and not gone[victim] then
+      if victim ~= conv and not evicted_info[victim] then
         local info = redis.call("HGET", KEYS[7], victim) or "0"
         total = total - tonumber(string.match(info, "^(%d+)") or "0")
         count = count - 1
         evicted[#evicted + 1] = victim
+        evicted_info[victim] = info
       end
     end
   end
@@ -281,9 +284,9 @@ redis.call("EXPIRE", KEYS[11], rollup_ttl)
 if conv ~= "" then
   if want_latch then
     for _, victim in ipairs(evicted) do
-      local info = redis.call("HGET", KEYS[7], victim) or ""
-      local spec = redis.call("HGET", KEYS[9], victim)
-      if spec and string.match(info, "^%d+:%a+:") then
+      local info = evicted_info[victim]
+      local spec = recorded(info) and redis.call("HGET", KEYS[9], victim)
+      if spec then
         saved[#saved + 1] = redis.call("ZSCORE", KEYS[6], victim)
         saved[#saved + 1] = info
         saved[#saved + 1] = spec
