@@ -48,21 +48,29 @@ def _race(ops: Ops, key: str, meanwhile: Any) -> tuple[httpx.Response, Any]:
     return asyncio.run(go())
 
 
-def test_a_failed_turn_does_not_bring_back_a_latch_evicted_meanwhile(ops: Ops) -> None:
+def _c2_takes_the_one_place_during_a_failing_c1_turn(ops: Ops, first: str) -> str:
+    """A tenant with one latch place latches ``first``; then a latching turn on c1
+    fails (after 0.5 s) while one on c2 latches, evicting. Afterwards c2 alone is
+    latched, within the quota. The tenant's key."""
     key = ops.tenant("acme", latch_count=1)
-    assert ops.chat(key, **_turn("c1", 0.1)).status_code == 200
-    assert _latched(ops, key) == ["c1"]
+    assert ops.chat(key, **_turn(first, 0.1)).status_code == 200
+    assert _latched(ops, key) == [first]
 
-    async def evicting(client: httpx.AsyncClient) -> httpx.Response:
+    async def latching(client: httpx.AsyncClient) -> httpx.Response:
         return await client.post(ops.url + "/v1/chat/completions", json=_turn("c2", 0.2))
 
-    failed, evictor = _race(ops, key, evicting)
+    failed, other = _race(ops, key, latching)
     assert failed.status_code >= 500, failed.text
-    assert evictor.status_code == 200 and evictor.headers["x-steering-latch"] == "evicted_quota"
+    assert other.status_code == 200 and other.headers["x-steering-latch"] == "evicted_quota"
     ops.wait_for(lambda: ops.get(key, "/v1/usage").json()["quotas"]["latch_count"]["used"] <= 1)
     assert _latched(ops, key) == ["c2"]
     quota = ops.get(key, "/v1/usage").json()["quotas"]["latch_count"]
     assert (quota["used"], quota["limit"]) == (1, 1)
+    return key
+
+
+def test_a_failed_turn_does_not_bring_back_a_latch_evicted_meanwhile(ops: Ops) -> None:
+    key = _c2_takes_the_one_place_during_a_failing_c1_turn(ops, "c1")
     # c1's next plain turn is unsteered and latches nothing; c2's is still steered.
     assert ops.chat(key, conversation_id="c1").headers["x-steering-latch"] == "none"
     steered = ops.chat(key, conversation_id="c2").headers["x-steering-latch"]
@@ -192,19 +200,7 @@ def test_a_failed_turn_puts_back_what_it_evicted_only_where_it_still_fits(ops: O
     """The failing turn on c1 evicts c0 at admission; c2 latches meanwhile, evicting
     c1's pending entry and taking the one place. c1's failure would put c0 back, but
     the quota has no room for it now: c2 alone stays, within the quota."""
-    key = ops.tenant("acme", latch_count=1)
-    assert ops.chat(key, **_turn("c0", 0.1)).status_code == 200
-
-    async def latching(client: httpx.AsyncClient) -> httpx.Response:
-        return await client.post(ops.url + "/v1/chat/completions", json=_turn("c2", 0.2))
-
-    failed, other = _race(ops, key, latching)
-    assert failed.status_code >= 500, failed.text
-    assert other.status_code == 200 and other.headers["x-steering-latch"] == "evicted_quota"
-    ops.wait_for(lambda: ops.get(key, "/v1/usage").json()["quotas"]["latch_count"]["used"] <= 1)
-    assert _latched(ops, key) == ["c2"]
-    quota = ops.get(key, "/v1/usage").json()["quotas"]["latch_count"]
-    assert (quota["used"], quota["limit"]) == (1, 1)
+    _c2_takes_the_one_place_during_a_failing_c1_turn(ops, "c0")
 
 
 def test_a_failed_turn_alone_puts_back_the_latch_it_evicted(ops: Ops) -> None:
