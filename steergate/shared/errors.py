@@ -121,6 +121,11 @@ _CODES = (
        "(8,000) or characters in all (400,000) than allowed; `param` names the side or example; "
        "or its activations (examples x layers x hidden size x 4 bytes) would pass "
        "`STEERGATE_EXAMPLES_MEMORY_BYTES`: `param` is `layers`"),
+    _e("examples_indistinguishable", 400, _N, _GW,
+       "a `from-examples` body whose `positive` and `negative` hold the same examples (in any "
+       "order; decided before any work), or whose activations came back identical at a layer "
+       "(`param` is `layers`; the message names the layer): their difference is zero and has "
+       "no direction to steer along; nothing is stored"),
     _e("invalid_api_key", 401, _N, _BOTH, "missing, unknown, malformed or revoked key (on the "
        "engine: missing or wrong engine token)"),
     _e("expired_api_key", 401, _N, _GW,

@@ -5,7 +5,8 @@ those files (``steergate/engine/capture_io.py``'s format) as a worker would, wit
 deterministic fake activation per (prompt, hook, layer, reduce). A prompt mentioning
 "ocean" is pushed along the first axis by ``layer + 1``: a planted concept direction,
 so ``from-examples`` can be tested end to end without a model. Only ``tokens:
-"prompt"`` captures are faked (one row per prompt)."""
+"prompt"`` captures are faked (one row per prompt); text after a "|" is ignored (two
+different texts with the same activations)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ def fake_activation(
     prompt: str | list[int], hook: str, layer: int, reduce: str, hidden: int
 ) -> np.ndarray:
     text = prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
+    # What follows a "|" changes nothing (two texts the engine sees as one prompt).
+    text = text.split("|")[0]
     seed = hashlib.sha256(f"{text}\0{hook}\0{layer}\0{reduce}".encode()).digest()
     row = np.random.default_rng(int.from_bytes(seed[:8], "little")).normal(size=hidden)
     if "ocean" in text:

@@ -178,6 +178,16 @@ async def _make(
                 "engine_unavailable",
                 f"The engine's activations at {spec.hook} layer {layer} were not finite.",
             )
+    for layer in spec.layers:
+        if not results[layer].norm > 0:
+            # Different texts the engine saw as the same prompt (or whose activations
+            # agree exactly here): an all-zero vector would be stored and steer nothing.
+            raise InvalidField(
+                "layers",
+                f"the positive and negative examples' activations at {spec.hook} layer "
+                f"{layer} are identical: their difference has no direction",
+                code="examples_indistinguishable",
+            )
     report = {
         "layers": {str(layer): r.report() for layer, r in results.items()},
         "examples": {

@@ -95,6 +95,15 @@ def parse_examples_body(body: dict[str, Any], shape: ModelShape) -> ExamplesSpec
             f"'pca' pairs positive[i] with negative[i]: the lists must be the same length "
             f"(got {len(positive)} and {len(negative)})",
         )
+    if sorted(map(_identity, positive)) == sorted(map(_identity, negative)):
+        # Then mean(positive) == mean(negative) at every layer (and pca's class-mean gap
+        # is 0): the vector would be all zeros, stored with 201 and steering nothing.
+        raise InvalidField(
+            "negative",
+            "'positive' and 'negative' hold the same examples: their difference is zero at "
+            "every layer, so there is no direction to make a vector from",
+            code="examples_indistinguishable",
+        )
     spec = ExamplesSpec(hook, layers, positive, negative, method, position, normalize, description)
     if spec.chars > MAX_TOTAL_CHARS:
         # Named: the side holding more of them (the one to shorten).
@@ -179,6 +188,13 @@ def _example(item: Any, p: str) -> Example:
             code="examples_too_large",
         )
     return out
+
+
+def _identity(example: Example) -> tuple[str, ...]:
+    """What makes two examples the same prompt (a text and a messages list never are)."""
+    if isinstance(example, str):
+        return ("text", example)
+    return ("messages", *(f"{m['role']}\0{m['content']}" for m in example))
 
 
 def _chars(example: Example) -> int:

@@ -226,6 +226,13 @@ HOSTILE: list[tuple[dict[str, Any], str, str]] = [
     ({"positive": OCEAN, "negative": CITY[:3], "method": "pca"}, "negative", "invalid_request"),
     ({"positive": OCEAN[:1], "negative": CITY}, "positive", "invalid_request"),
     ({"positive": "ocean", "negative": CITY}, "positive", "invalid_request"),
+    # the same examples on both sides (any order): a zero vector, never stored
+    ({"positive": OCEAN, "negative": OCEAN[::-1]}, "negative", "examples_indistinguishable"),
+    (
+        {"positive": OCEAN[:2], "negative": OCEAN[:2], "method": "pca"},
+        "negative",
+        "examples_indistinguishable",
+    ),
 ]
 
 
@@ -328,6 +335,27 @@ def test_activations_that_are_not_finite_are_never_stored(
     r = make(gateway, key, "v", {"positive": ["overflow", "overflow x"], "negative": CITY})
     assert r.status_code == 502 and "not finite" in r.json()["error"]["message"], r.text
     assert get(gateway, key, "/v1/steering/vectors").json()["data"] == []
+
+
+def test_different_examples_with_identical_activations_store_no_zero_vector(
+    gateway: ServerThread, redis_url: str
+) -> None:
+    """Found from outside: examples whose activations agree gave an all-zero vector,
+    stored with 201, that steered nothing. Texts that differ only after "|" have the same
+    activations in the stub (as two texts the engine saw as one prompt would)."""
+    key = make_tenant(redis_url, "acme")
+    pos = ["city one|a", "city two|a"]
+    neg = ["city one|b", "city two|b"]
+    r = make(gateway, key, "v", {"positive": pos, "negative": neg, "layers": [2]})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["code"]) == ("layers", "examples_indistinguishable")
+    assert "layer 2" in err["message"]
+    assert get(gateway, key, "/v1/steering/vectors").json()["data"] == []
+    # the engine did the work: it is charged (4 prompts, 5 tokens each, 1 generated each)
+    time.sleep(0.3)  # settlement is batched off the hot path
+    usage = get(gateway, key, "/v1/usage").json()
+    assert usage["tokens_total"] == 24, usage
 
 
 def test_a_job_larger_than_the_gateways_activation_memory_is_refused_before_any_work(
