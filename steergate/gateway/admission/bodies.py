@@ -23,7 +23,9 @@ See docs/gateway.md ("Large bodies") for the measurements behind this.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import math
 import multiprocessing
 import os
 import threading
@@ -63,16 +65,61 @@ class Parsed:
     shape: ModelShape | None
 
 
+#: Bodies up to this size get the path of a number too large to parse (a second parse,
+#: only on that error); a larger one is told the fault without the path.
+LOCATE_NUMBER_BYTES = 1024 * 1024
+
+
 def parse_body(raw: bytes) -> dict[str, Any]:
     """The contract's JSON object checks (depth, syntax, object), for any route."""
     check_json_depth(raw)  # 1,000-deep JSON parses, then 500s in orjson.dumps
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
+        if str(exc).startswith("number is infinity"):
+            # Valid JSON (``1e400``, a 400-digit integer) that no double holds: a field
+            # fault, not a syntax one.
+            param = number_out_of_range(raw) if len(raw) <= LOCATE_NUMBER_BYTES else None
+            if not raw.lstrip()[:1] == b"{":
+                raise InvalidField(
+                    "body", "The request body must be a JSON object.", "invalid_json"
+                ) from exc
+            raise InvalidField(
+                param or "body",
+                f"'{param}' is a number too large to represent (beyond a double's range)"
+                if param
+                else "The request body holds a number too large to represent "
+                "(beyond a double's range).",
+            ) from exc
         raise InvalidField("body", "The request body is not valid JSON.", "invalid_json") from exc
     if not isinstance(body, dict):
         raise InvalidField("body", "The request body must be a JSON object.", "invalid_json")
     return body
+
+
+def number_out_of_range(raw: bytes) -> str | None:
+    """The path (``messages[0].max_tokens`` style) of the first number in ``raw`` that
+    is infinite as a double, or None. Python's parser keeps such numbers (an int as an
+    int, a float as ``inf``); orjson refuses them."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    stack: list[tuple[str, Any]] = [("", doc)] if isinstance(doc, dict) else []
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend((f"{path}.{k}" if path else k, v) for k, v in reversed(value.items()))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in reversed(list(enumerate(value))))
+        elif isinstance(value, float) and math.isinf(value):
+            return path
+        elif isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+            try:
+                float(value)
+            except OverflowError:  # past a double's largest finite value
+                return path
+    return None
 
 
 def parse_in_worker(raw: bytes, shape: ModelShape | None, budget: InlineBudget) -> tuple[Any, ...]:

@@ -17,12 +17,12 @@ import asyncio
 import logging
 from typing import Any
 
-import orjson
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
 from steergate.gateway.admission import usage
+from steergate.gateway.admission.bodies import parse_body
 from steergate.gateway.deps import get_services
 from steergate.gateway.engines.client import EngineClient
 from steergate.gateway.engines.overview import capacity, engine_statuses
@@ -44,7 +44,6 @@ from steergate.gateway.tenancy.records import (
 from steergate.gateway.tenancy.tenants import TenantStore
 from steergate.shared import request_id
 from steergate.shared.errors import APIError, InvalidField, reject_unknown
-from steergate.shared.jsondepth import check_json_depth
 from steergate.shared.scoping import check_tenant_id
 
 log = logging.getLogger("steergate.gateway.admin")
@@ -174,14 +173,7 @@ async def _json_object(request: Request) -> dict[str, Any]:
     raw = await request.body()
     if not raw.strip():
         return {}
-    check_json_depth(raw)
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidField("body", "The request body is not valid JSON.", "invalid_json") from exc
-    if not isinstance(body, dict):
-        raise InvalidField("body", "The request body must be a JSON object.", "invalid_json")
-    return body
+    return parse_body(raw)
 
 
 def _check_common(body: dict[str, Any]) -> None:

@@ -272,3 +272,36 @@ def test_n_is_bounded_before_admission(
     assert fake_engine.state.requests == []
     r = httpx.post(gateway.url + CHAT, headers=h, json=chat(n=128))
     assert r.status_code == 200, r.text  # the refusal spent no request of rpm 1
+
+
+def test_a_number_no_double_holds_is_a_400_naming_its_field_on_every_json_route(
+    gateway: ServerThread, redis_url: str, fake_engine: FakeEngine
+) -> None:
+    """Found from outside: ``"max_tokens": 1000...0`` (400 digits) or ``1e400`` is valid
+    JSON, yet the gateway called it "not valid JSON" (``invalid_json``), because orjson
+    refuses numbers past a double's range; the field was not named."""
+    h = {**auth(make_tenant(redis_url, "acme")), "content-type": "application/json"}
+    huge = b"1" + b"0" * 400
+    admin = {**auth(ADMIN_KEY), "content-type": "application/json"}
+    for path, method, hdrs, raw, param in [
+        (CHAT, "POST", h, b'{"model":"fake","messages":[],"max_tokens":' + huge + b"}",
+         "max_tokens"),
+        (CHAT, "POST", h, b'{"model":"fake","messages":[],"temperature":-1e400}', "temperature"),
+        ("/v1/completions", "POST", h,
+         b'{"model":"fake","prompt":"x","steering":{"vectors":[{"hook":"post_block",'
+         b'"layers":{"1":[0.5,' + huge + b"]}}]}}",
+         "steering.vectors[0].layers.1[1]"),
+        ("/v1/steering/vectors/calm", "PUT", h,
+         b'{"hook":"post_block","layers":{"0":[1e999]}}', "layers.0[0]"),
+        ("/admin/tenants", "POST", admin,
+         b'{"id":"bob","limits":{"requests_per_minute":' + huge + b"}}",
+         "limits.requests_per_minute"),
+    ]:
+        r = httpx.request(method, gateway.url + path, headers=hdrs, content=raw)
+        err = error(r)
+        assert (err["code"], err["param"]) == ("invalid_request", param), (path, err)
+        assert "too large" in err["message"]
+    # Not an object: still the object fault.
+    r = httpx.post(gateway.url + CHAT, headers=h, content=b"[1e400]")
+    assert (error(r)["code"], error(r)["param"]) == ("invalid_json", "body")
+    nothing_reached(fake_engine)
