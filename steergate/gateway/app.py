@@ -30,6 +30,7 @@ from steergate.gateway.admission.settlement import Settler
 from steergate.gateway.deps import Services
 from steergate.gateway.edge import openapi
 from steergate.gateway.edge.body_limit import BodyLimitMiddleware
+from steergate.gateway.edge.head import HeadAsGetMiddleware
 from steergate.gateway.edge.metrics import Metrics
 from steergate.gateway.edge.metrics_middleware import MetricsMiddleware, record_rejection
 from steergate.gateway.engines.client import EngineClient
@@ -213,6 +214,8 @@ def create_app(
 def middleware(settings: GatewaySettings, metrics: Metrics) -> list[Middleware]:
     """The gateway's ASGI stack, outermost first (each sees what the ones after it send)."""
     return [
+        # HEAD runs as the GET it stands for; only the body is dropped.
+        Middleware(HeadAsGetMiddleware),
         # Every response, and every log line written while serving it, carries the
         # request id.
         Middleware(RequestIdMiddleware),

@@ -553,6 +553,25 @@ def test_models_retrieve_and_list_carry_the_steering_shape(gateway: ServerThread
     assert model.model_extra["max_model_len"] == 2048
 
 
+def test_head_answers_as_get_without_a_body(gateway: ServerThread, key: str) -> None:
+    """Found from outside: ``HEAD /v1/models`` was 405 while ``GET`` was 200 (load
+    balancers and uptime probes send HEAD)."""
+    for path, auth in [("/v1/models", h(key)), ("/v1/models/stub", h(key)), ("/healthz", {})]:
+        got = httpx.get(gateway.url + path, headers=auth)
+        head = httpx.head(gateway.url + path, headers=auth)
+        assert (head.status_code, got.status_code) == (200, 200), path
+        assert head.content == b"" and got.content
+        assert head.headers["content-type"] == got.headers["content-type"]
+        assert int(head.headers["content-length"]) == len(got.content), path
+    # metered like the GET it stands for
+    head = httpx.head(gateway.url + "/v1/models", headers=h(key))
+    assert "x-ratelimit-remaining-requests" in head.headers
+    # the same refusals, without their bodies
+    head = httpx.head(gateway.url + "/v1/models")
+    assert head.status_code == 401 and head.content == b"" and head.headers["x-request-id"]
+    assert httpx.head(gateway.url + "/v1/chat/completions", headers=h(key)).status_code == 405
+
+
 def test_tokenize_and_detokenize_are_served_and_metered(gateway: ServerThread, key: str) -> None:
     def requests_made() -> int:
         usage = httpx.get(f"{gateway.url}/v1/usage", headers=h(key)).json()
