@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -10,6 +10,7 @@ from fastapi import Depends, Request
 from steergate.gateway.admission.bodies import BodyParser
 from steergate.gateway.admission.limits import Limiter
 from steergate.gateway.admission.settlement import Settler
+from steergate.gateway.admission.turns import TenantTurns
 from steergate.gateway.engines.client import EngineClient
 from steergate.gateway.engines.sync import EngineSync
 from steergate.gateway.store.connection import Redis
@@ -33,6 +34,7 @@ class Services:
     settler: Settler
     bodies: BodyParser  # large bodies parsed in worker processes, per tenant
     contrast: ContrastJobs  # from-examples' math: threads of its own, per tenant
+    exports: TenantTurns = field(default_factory=TenantTurns)  # usage exports, per tenant
 
 
 def get_services(request: Request) -> Services:

@@ -357,17 +357,25 @@ def check_choice(value: str | None, choices: Sequence[str], param: str) -> str:
     return value
 
 
+#: Day hashes per round trip of an export's read.
+ROLLUP_DAYS_PER_TRIP = 31
+
+
 async def read_rollup_days(
     redis: Redis, tenant_id: str, first_day: int, last_day: int
 ) -> list[dict[str, Any]]:
-    """The day hashes ``first_day..last_day`` (oldest first) in one pipelined round trip
-    (one tenant's keys share a slot, so this works on Redis Cluster too)."""
+    """The day hashes ``first_day..last_day`` (oldest first), :data:`ROLLUP_DAYS_PER_TRIP`
+    per pipelined round trip: the client parses each reply on the event loop, and a
+    400-day reply in one piece held it for ~55 ms (one tenant's keys share a slot, so
+    this works on Redis Cluster too)."""
+    rows: list[dict[str, Any]] = []
     async with store_errors():
-        pipe = redis.pipeline(transaction=False)
-        for day in range(first_day, last_day + 1):
-            pipe.hgetall(keys.usage_day(tenant_id, day))
-        rows = await pipe.execute()
-    return [row or {} for row in rows]
+        for lo in range(first_day, last_day + 1, ROLLUP_DAYS_PER_TRIP):
+            pipe = redis.pipeline(transaction=False)
+            for day in range(lo, min(lo + ROLLUP_DAYS_PER_TRIP, last_day + 1)):
+                pipe.hgetall(keys.usage_day(tenant_id, day))
+            rows.extend(row or {} for row in await pipe.execute())
+    return rows
 
 
 def _split_rollup(row: dict[str, Any]) -> tuple[dict[str, int], dict[str, dict[str, int]]]:

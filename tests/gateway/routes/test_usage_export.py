@@ -146,6 +146,25 @@ def test_the_range_is_inclusive_and_at_most_400_days(acme: tuple[str, str]) -> N
     assert [row["date"] for row in r.json()["rows"]] == ["2026-03-01"]
 
 
+def test_a_400_day_export_reads_every_day_in_order_across_its_read_slices(
+    acme: tuple[str, str], redis_url: str
+) -> None:
+    """The read goes in slices of ``ROLLUP_DAYS_PER_TRIP`` days (so no one reply holds the
+    event loop): days either side of each slice boundary land on their own rows."""
+    url, key = acme
+    per = usage.ROLLUP_DAYS_PER_TRIP
+    first = TODAY - 399
+    marked = sorted({first, first + per - 1, first + per, first + 2 * per, TODAY - 1, TODAY})
+    for i, day in enumerate(marked):
+        write_day(redis_url, "acme", day, {"requests": 1000 + i, "tokens": day})
+    doc = export(url, key, start=date(first), end=date(TODAY - 1)).json()
+    assert [row["date"] for row in doc["rows"]] == [date(d) for d in range(first, TODAY)]
+    by_date = {row["date"]: row for row in doc["rows"]}
+    for i, day in enumerate(marked[:-1]):  # all but TODAY, outside the range
+        assert (by_date[date(day)]["requests"], by_date[date(day)]["tokens"]) == (1000 + i, day)
+    assert doc["totals"]["requests"] == sum(1000 + i for i in range(len(marked) - 1)) + 6
+
+
 def on_one_day(call: Callable[[], Any]) -> tuple[int, Any]:
     """``call()`` and the UTC day it ran on; called again if it ran across midnight
     (the module's TODAY is read at import, and a CI run can cross midnight)."""
