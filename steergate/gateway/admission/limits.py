@@ -118,10 +118,13 @@ def duration(ms: float) -> str:
     return f"{h}h{m}m{sec}s" if h else f"{m}m{sec}s"
 
 
-def _headers(tenant: Tenant, r: list[Any]) -> dict[str, str]:
+def _headers(tenant: Tenant, r: list[Any], key_rpm: int = 0) -> dict[str, str]:
+    """``key_rpm``: the key's own requests/min (0: none). The remaining figure is the
+    tighter of the tenant's and the key's, so the limit shown is the tighter one too."""
     lim = tenant.limits
+    rpm = min(lim.rpm, key_rpm) if key_rpm else lim.rpm
     return {
-        "x-ratelimit-limit-requests": str(lim.rpm),
+        "x-ratelimit-limit-requests": str(rpm),
         "x-ratelimit-remaining-requests": str(max(0, int(r[2]))),
         "x-ratelimit-reset-requests": duration(int(r[3])),
         "x-ratelimit-limit-tokens": str(lim.tpm),
@@ -234,7 +237,7 @@ class Limiter:
                 raise
             log.warning("rate-limit store unavailable: admitting UNMETERED (fail-open is set)")
             return Admission(tenant, lease_id, 0, conversation_id, False, "", [], unmetered=True)
-        headers = _headers(tenant, r)
+        headers = _headers(tenant, r, key_rpm)
         names = list(vector_names or ())
         n_names = len(names)
         status = int(r[0])

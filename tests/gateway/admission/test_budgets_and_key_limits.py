@@ -61,6 +61,29 @@ async def test_per_key_rpm_is_exact_across_two_replicas_and_leaves_the_tenant_al
             await c.aclose()
 
 
+async def test_the_limit_header_is_the_tighter_of_the_tenants_and_the_keys_rpm(
+    redis_url: str,
+) -> None:
+    """Found from outside: a key with rpm 5 under a tenant with rpm 10 was told
+    "limit 10, remaining 0" after its 5th request (the remaining figure was the key's)."""
+    clients, (a, _), store = await _replicas(redis_url)
+    try:
+        tenant = await store.create("acme", limits={"rpm": 10, "max_concurrency": 100})
+        seen = []
+        for _ in range(5):
+            admission = await a.admit_plain(tenant, api_key("k-tight", rpm=5))
+            seen.append((admission.headers["x-ratelimit-limit-requests"],
+                         admission.headers["x-ratelimit-remaining-requests"]))  # fmt: skip
+        assert seen == [("5", str(n)) for n in (4, 3, 2, 1, 0)]
+        loose = await a.admit_plain(tenant, api_key("k-loose", rpm=50))
+        assert loose.headers["x-ratelimit-limit-requests"] == "10"  # the tenant's is tighter
+        plain = await a.admit_plain(tenant, api_key("k-none"))
+        assert plain.headers["x-ratelimit-limit-requests"] == "10"
+    finally:
+        for c in clients:
+            await c.aclose()
+
+
 async def test_per_key_concurrency_is_exact_and_released_by_settlement(redis_url: str) -> None:
     clients, (a, b), store = await _replicas(redis_url)
     settler = Settler(clients[0], Scripts.load(clients[0]))
