@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -46,6 +47,7 @@ from steergate.shared import request_id
 from steergate.shared.errors import APIError, InvalidField, reject_unknown
 from steergate.shared.scoping import check_tenant_id
 
+_KEY_ID = re.compile(r"(?:key|adm)_[0-9a-f]{16}")
 log = logging.getLogger("steergate.gateway.admin")
 
 router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)])
@@ -176,6 +178,12 @@ async def _json_object(request: Request) -> dict[str, Any]:
     return parse_body(raw)
 
 
+def _shown(key_id: str) -> str:
+    """A key id as an error names it: quoted when it has the shape ids are made in
+    (``key_``/``adm_`` + 16 hex), else not echoed (it is the caller's raw input)."""
+    return f"'{key_id}'" if _KEY_ID.fullmatch(key_id) else "with that id"
+
+
 def _check_common(body: dict[str, Any]) -> None:
     check_name(body.get("name"))
     if "allow_overcommit" in body and not isinstance(body["allow_overcommit"], bool):
@@ -221,11 +229,13 @@ async def list_tenants(request: Request) -> dict[str, Any]:
 
 @router.get("/tenants/{tenant_id}")
 async def get_tenant(tenant_id: str, request: Request) -> dict[str, Any]:
+    check_tenant_id(tenant_id, "tenant_id")
     return _public(await _store(request).require(tenant_id))
 
 
 @router.patch("/tenants/{tenant_id}", openapi_extra=_body_doc(TenantPatchBody))
 async def update_tenant(tenant_id: str, request: Request) -> dict[str, Any]:
+    check_tenant_id(tenant_id, "tenant_id")
     body = await _json_object(request)
     _check_common(body)
     if "id" in body and body["id"] != tenant_id:
@@ -242,6 +252,7 @@ async def update_tenant(tenant_id: str, request: Request) -> dict[str, Any]:
 
 @router.delete("/tenants/{tenant_id}", status_code=204)
 async def delete_tenant(tenant_id: str, request: Request) -> Response:
+    check_tenant_id(tenant_id, "tenant_id")
     if not await _store(request).delete(tenant_id):
         raise APIError("tenant_not_found", f"no tenant '{tenant_id}'", param="id")
     await get_services(request).sync.sync_tenant(tenant_id)
@@ -258,6 +269,7 @@ async def delete_tenant(tenant_id: str, request: Request) -> Response:
 
 @router.post("/tenants/{tenant_id}/keys", status_code=201, openapi_extra=_body_doc(KeyCreateBody))
 async def create_key(tenant_id: str, request: Request) -> JSONResponse:
+    check_tenant_id(tenant_id, "tenant_id")
     body = await _json_object(request)
     reject_unknown(body, KEY_FIELDS)
     info, key = await _store(request).create_key_info(
@@ -282,6 +294,7 @@ async def create_key(tenant_id: str, request: Request) -> JSONResponse:
 
 @router.get("/tenants/{tenant_id}/keys")
 async def list_keys(tenant_id: str, request: Request) -> dict[str, Any]:
+    check_tenant_id(tenant_id, "tenant_id")
     return {"keys": [k.public() for k in await _store(request).list_keys(tenant_id)]}
 
 
@@ -296,7 +309,7 @@ async def rotate_key(key_id: str, request: Request) -> JSONResponse:
         )
     rotated = await _store(request).rotate_key(key_id, grace)
     if rotated is None:
-        raise APIError("key_not_found", f"no key '{key_id}'", param="key_id")
+        raise APIError("key_not_found", f"no key {_shown(key_id)}", param="key_id")
     info, key = rotated
     log.info("key %s rotated (grace %d s)", key_id, grace)
     public = info.public()
@@ -326,7 +339,7 @@ async def revoke_key(key_id: str, request: Request) -> Response:
         return Response(status_code=204)
     admin = await store.revoke_admin_key(key_id)
     if admin is None:
-        raise APIError("key_not_found", f"no key '{key_id}'", param="key_id")
+        raise APIError("key_not_found", f"no key {_shown(key_id)}", param="key_id")
     log.info("admin key %s revoked", key_id)
     await _audit(request, "admin_key.revoke", key_id, {"role": admin.role, "name": admin.name})
     return Response(status_code=204)

@@ -109,6 +109,6 @@ async def tenant_usage_export(
     group_by: str | None = _GROUP_BY,
     format: str | None = _FORMAT,
 ) -> Response:
-    check_tenant_id(tenant_id)
+    check_tenant_id(tenant_id, "tenant_id")
     await svc.tenants.require(tenant_id)
     return await _export(svc, tenant_id, start, end, group_by, format)

@@ -427,3 +427,38 @@ def test_names_with_control_characters_are_refused_naming_the_field(ops: Ops, na
     # what a name may hold: any printable text, markup-like brackets and emoji included
     r = ops.admin("PATCH", "/admin/tenants/acme", json={"name": "Ünïcode [b]x[/b] 🚀"})
     assert r.status_code == 200, r.text
+
+
+def test_a_malformed_tenant_or_key_id_in_a_path_is_refused_and_never_echoed(ops: Ops) -> None:
+    """Found from outside: ``/admin/tenants/ACME`` was 404 ``tenant_not_found`` echoing the
+    id (NUL bytes and 5,000 characters included) while ``.../ACME/usage/export`` was 400
+    ``invalid_tenant_id``: the tenant routes never checked the path's id."""
+    ops.tenant("acme")
+    for bad in ("ACME", "x" * 5000, "acme%00", "acme%0A", "ac%20me"):
+        for method, path in [
+            ("GET", f"/admin/tenants/{bad}"),
+            ("PATCH", f"/admin/tenants/{bad}"),
+            ("DELETE", f"/admin/tenants/{bad}"),
+            ("POST", f"/admin/tenants/{bad}/keys"),
+            ("GET", f"/admin/tenants/{bad}/keys"),
+            ("GET", f"/admin/tenants/{bad}/usage/export"),
+        ]:
+            r = ops.admin(method, path, json={})
+            err = _error(r)
+            assert (r.status_code, err["code"], err["param"]) == (
+                400, "invalid_tenant_id", "tenant_id"
+            ), (method, path)
+            assert "\x00" not in r.text and "x" * 40 not in r.text
+    for bad in ("key_%00zz", "y" * 3000):
+        for method, path in [
+            ("DELETE", f"/admin/keys/{bad}"),
+            ("POST", f"/admin/keys/{bad}/rotate"),
+        ]:
+            r = ops.admin(method, path, json={})
+            err = _error(r)
+            assert (r.status_code, err["code"]) == (404, "key_not_found"), (method, path)
+            assert "\x00" not in r.text and "y" * 40 not in r.text
+    # a well-formed id that does not exist is still named
+    r = ops.admin("DELETE", "/admin/keys/key_0123456789abcdef")
+    assert r.status_code == 404 and "key_0123456789abcdef" in _error(r)["message"]
+    assert ops.admin("GET", "/admin/tenants/acme").status_code == 200  # nothing changed
