@@ -112,10 +112,22 @@ class AdminClient:
 def path_segment(value: str, what: str) -> str:
     """``value`` as one path segment. An id given on the command line is put in a URL
     path: unquoted, ``key revoke ../tenants/acme`` was sent (the client resolves dot
-    segments) as ``DELETE /admin/tenants/acme``, a tenant deleted without its prompt."""
-    if value in ("", ".", ".."):
+    segments) as ``DELETE /admin/tenants/acme``, a tenant deleted without its prompt.
+    No id holds a ``/``, and the server routes on the decoded path (``%2F`` splits a
+    segment too), so one is refused rather than quoted."""
+    if value in ("", ".", "..") or "/" in value:
         raise CLIError(f"not a {what}: {value!r}", exit_code=2)
     return quote(value, safe="")
+
+
+def check_key(key: str, variable: str) -> None:
+    """A key must travel in an HTTP header: printable ASCII. Anything else (a pasted
+    "é", a line break) is the user's typo; say which variable, never print the key."""
+    if not key.isascii() or not key.isprintable() or " " in key:
+        raise CLIError(
+            f"{variable} holds characters no API key has (keys are printable ASCII)",
+            exit_code=2,
+        )
 
 
 def _describe_error(response: httpx.Response) -> str:
@@ -355,6 +367,7 @@ def _run(
         err.print("error: set STEERGATE_ADMIN_KEY to the gateway's admin key", markup=False)
         return 2
     try:
+        check_key(admin_key, "STEERGATE_ADMIN_KEY")
         with AdminClient(args.url, admin_key) as client:
             action(client, args, out)
     except CLIError as exc:

@@ -20,7 +20,7 @@ import httpx
 import orjson
 from rich.table import Table
 
-from steergate.cli.admin import DEFAULT_URL, CLIError, path_segment
+from steergate.cli.admin import DEFAULT_URL, CLIError, check_key, path_segment
 from steergate.cli.tables import console
 
 HOOKS = ("pre_attn", "post_attn", "post_block")
@@ -53,6 +53,10 @@ def read_examples(path: Path) -> list[Any]:
     return parsed
 
 
+#: Layers one --layers may name: far above any model's (the gateway checks the model's).
+MAX_LAYERS = 1024
+
+
 def parse_layers(text: str) -> list[int] | str:
     """``all``, ``8-15``, ``1,3,5`` or a mix (``1,8-10``)."""
     if text.strip() == "all":
@@ -61,7 +65,14 @@ def parse_layers(text: str) -> list[int] | str:
     try:
         for part in text.split(","):
             lo, sep, hi = part.strip().partition("-")
-            out.extend(range(int(lo), int(hi) + 1) if sep else [int(lo)])
+            first, last = (int(lo), int(hi)) if sep else (int(lo), int(lo))
+            if last - first + 1 + len(out) > MAX_LAYERS:
+                # 0-1000000000 built a list of 10^9 ints (MemoryError) before the
+                # gateway could say the model has 30 layers.
+                raise argparse.ArgumentTypeError(
+                    f"layers name more than {MAX_LAYERS} layers; got {text!r}"
+                )
+            out.extend(range(first, last + 1))
     except ValueError as exc:
         raise argparse.ArgumentTypeError(
             f"layers must be 'all', N, N-M or a comma list of those; got {text!r}"
@@ -130,6 +141,7 @@ def main(argv: Sequence[str]) -> int:
         err.print(f"error: {exc}", markup=False)
         return 2
     try:
+        check_key(key, "STEERGATE_API_KEY")
         name = path_segment(args.name, "vector name")
     except CLIError as exc:
         err.print(f"error: {exc}", markup=False)

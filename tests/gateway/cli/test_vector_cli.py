@@ -4,6 +4,7 @@ real entry point ``steergate.cli.main``."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -45,6 +46,39 @@ def test_layer_ranges() -> None:
     assert parse_layers("all") == "all"
     assert parse_layers("8-11") == [8, 9, 10, 11]
     assert parse_layers("1,3-4") == [1, 3, 4]
+    assert len(parse_layers("0-1023")) == 1024
+
+
+def test_a_huge_layer_range_is_a_usage_error_not_a_memory_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found from outside: ``--layers 0-1000000000`` built a list of 10^9 ints
+    (MemoryError traceback) before the gateway could say the model has 30 layers."""
+    # (the bound is what is tested: 10^9 itself, were the bound gone, would take the
+    # machine's memory rather than fail)
+    with pytest.raises(argparse.ArgumentTypeError, match="more than 1024 layers"):
+        parse_layers("0-1024")
+    with pytest.raises(argparse.ArgumentTypeError, match="more than 1024 layers"):
+        parse_layers("0-600,601-1200")
+    monkeypatch.setenv("STEERGATE_API_KEY", "sk-sg-x")
+    f = tmp_path / "x.txt"
+    f.write_text("a\nb\n", encoding="utf-8")
+    argv = ["vector", "from-examples", "v", "--positive", str(f), "--negative", str(f)]
+    assert main([*argv, "--layers", "0-5000"]) == 2
+    assert "more than 1024 layers" in capsys.readouterr().err
+
+
+def test_a_key_no_header_can_carry_says_which_variable(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found from outside: a non-ASCII STEERGATE_API_KEY was a UnicodeEncodeError
+    traceback."""
+    monkeypatch.setenv("STEERGATE_API_KEY", "ké€y")
+    f = tmp_path / "x.txt"
+    f.write_text("a\nb\n", encoding="utf-8")
+    code = main(["vector", "from-examples", "v", "--positive", str(f), "--negative", str(f)])
+    err = capsys.readouterr().err
+    assert code == 2 and "STEERGATE_API_KEY holds characters" in err and "ké€y" not in err
 
 
 def test_from_examples_makes_the_vector_and_prints_the_report(
