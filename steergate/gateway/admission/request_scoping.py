@@ -339,9 +339,11 @@ def combined_salt(salt_secret: str, client_salt: str | None) -> str:
 
 
 def scrub(data: bytes, tenant_id: str, *, error: bool = False) -> bytes:
-    """Remove scoped forms. Success bodies: only this tenant's prefix, where it starts an
-    id (not inside a word: tenant ``a``'s "banana~split" is generated text, "a~c1" after
-    a quote or a space is its id); error bodies: any scope prefix."""
+    """Remove scoped forms. Success bodies: only this tenant's prefix, and only from a
+    JSON string that is one whole scoped id (``"a~chat-1"``, as a field echoing an id
+    would hold it): generated text is never changed, so tenant ``a``'s "banana~split",
+    "see a~b" or "x~N(0,1)" arrive as the model wrote them. Error bodies: any scope
+    prefix, wherever it stands (messages quote ids inside sentences)."""
     if error:
         return _ANY_SCOPE.sub(b"", data)
     if f"{tenant_id}~".encode() not in data:  # the usual case: one substring search
@@ -352,5 +354,5 @@ def scrub(data: bytes, tenant_id: str, *, error: bool = False) -> bytes:
 @functools.lru_cache(maxsize=1024)
 def _own_scope(tenant_id: str) -> re.Pattern[bytes]:
     return re.compile(
-        rb"(?<![A-Za-z0-9._:@~-])" + re.escape(tenant_id.encode()) + rb"~(?=[A-Za-z0-9._:@-])"
+        rb'(?<=")' + re.escape(tenant_id.encode()) + rb'~(?=[A-Za-z0-9._:@-]{1,256}")'
     )

@@ -1,7 +1,8 @@
 """What leaves the gateway loses scoped ids (``request_scoping.scrub``), and nothing else:
-a success body (or stream event) loses the caller's own ``<tenant>~`` where it starts an
-id; the same bytes inside a word are generated text. Found from outside: tenant ``a``'s
-"banana~split" came back as "bananasplit", in bodies and streams."""
+a success body (or stream event) loses the caller's own ``<tenant>~`` only from a JSON
+string that is one whole scoped id; generated text is never changed. Found from outside:
+tenant ``a``'s "banana~split" came back as "bananasplit", and (later) "see a~b" as
+"see b", in bodies and streams."""
 
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ def test_success_bodies_lose_the_callers_ids_not_its_words() -> None:
     body = orjson.dumps({"conversation_id": "a~chat-1", "text": TEXT})
     doc = orjson.loads(scrub(body, "a"))
     assert doc["conversation_id"] == "chat-1"
-    # inside words untouched; where "a~" starts an id-shaped token it is still removed
-    assert doc["text"] == "Use ~/data~backup and banana~split; see b or (c)"
+    assert doc["text"] == TEXT  # generated text: never changed
+    # a whole string that is an id-shaped token is taken for an echoed id
+    doc = orjson.loads(scrub(orjson.dumps({"names": ["a~calm", "a~b c", "xa~b"]}), "a"))
+    assert doc["names"] == ["calm", "a~b c", "xa~b"]
     other = orjson.dumps({"conversation_id": "acme~chat-1"})
     assert scrub(other, "a") == other  # another tenant's prefix: not the caller's to cut
     assert scrub(b'{"x": "plain"}', "a") == b'{"x": "plain"}'
@@ -36,4 +39,4 @@ def test_stream_events_are_scrubbed_as_bodies_are() -> None:
     out, failed = _relay_event(event, True, StreamMeter(), None, "a")
     assert out is not None and not failed
     content = orjson.loads(out[6:])["choices"][0]["delta"]["content"]
-    assert "banana~split" in content and "data~backup" in content
+    assert content == TEXT
