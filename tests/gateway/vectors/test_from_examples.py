@@ -13,7 +13,8 @@ import httpx
 import numpy as np
 import pytest
 
-from steergate.shared.steering import parse_layers_or_packed
+from steergate.gateway.vectors.examples_spec import parse_examples_body
+from steergate.shared.steering import ModelShape, parse_layers_or_packed
 from tests.gateway.conftest import FakeEngine, make_tenant
 from tests.gateway.servers import ServerThread
 from tests.gateway.stub_capture import fake_activation
@@ -404,3 +405,18 @@ def test_other_tenants_jobs_holding_the_memory_give_a_retryable_503_and_free_it(
     usage = get(gw, b, "/v1/usage").json()
     assert usage["quotas"]["tokens_per_minute"]["used"] == 0  # nothing charged
     assert make(gw, b, "v", body).status_code == 201
+
+
+def test_the_reservation_counts_what_a_chat_template_adds_to_messages_examples() -> None:
+    """Found from outside: messages examples were reserved their contents alone
+    (characters / 4), while SmolLM2's template adds ~30 tokens to a one-message example,
+    so a tenant's job could pass its tokens/min by far more than its own text."""
+    shape = ModelShape(hidden_size=HIDDEN, num_layers=LAYERS)
+    one = [{"role": "user", "content": "12345678"}]
+    two = [{"role": "system", "content": "1234"}, {"role": "user", "content": "5678"}]
+    body = {"positive": ["abcdefgh", one], "negative": ["abcdefgh", two]}
+    spec = parse_examples_body(body, shape)
+    # 32 characters -> 8, two templated examples x 24, three messages x 6, 4 generated
+    assert spec.token_estimate == 8 + 2 * 24 + 3 * 6 + 4
+    texts = parse_examples_body({"positive": ["abcdefgh"] * 2, "negative": ["12345678"] * 2}, shape)
+    assert texts.token_estimate == 8 + 4  # raw prompts: no template
