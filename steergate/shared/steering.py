@@ -145,7 +145,7 @@ def parse_term(obj: Any, shape: ModelShape | None, param: str, index: int = 0) -
         return _parse_clamp_term(obj, op, shape, param, index)
     scale = _parse_scale(obj.get("scale", 1.0), f"{param}.scale")
     if "name" in obj:
-        reject_unknown(obj, {"name", "scale", "op"}, param)
+        reject_unknown(obj, named_term_keys(op), param)
         name = obj["name"]
         if not isinstance(name, str) or not name:
             raise InvalidField(f"{param}.name", f"'{param}.name' must be a non-empty string")
@@ -160,13 +160,19 @@ def parse_term(obj: Any, shape: ModelShape | None, param: str, index: int = 0) -
 _CLAMP_KEYS = {"op", "min", "max", "value", "strength"}
 
 
+def named_term_keys(op: Any) -> set[str]:
+    """The keys a named term may hold: one list for the parser and the gateway's
+    prescan (which refuses the others before admission, as a large body's parse does)."""
+    return {"name", "scale", "op"} if op == "add" else {"name"} | _CLAMP_KEYS
+
+
 def _parse_clamp_term(
     obj: dict[str, Any], op: str, shape: ModelShape | None, param: str, index: int
 ) -> Term:
     """A clamp or ablate term (steergate/shared/clamp.py). No ``scale``: only the direction
     of the vector matters. Inline directions are normalised here."""
     if "name" in obj:
-        reject_unknown(obj, {"name"} | _CLAMP_KEYS, param)
+        reject_unknown(obj, named_term_keys(op), param)
         bounds = parse_bounds(obj, op, param)
         name = obj["name"]
         if not isinstance(name, str) or not name:

@@ -33,8 +33,9 @@ from typing import Any
 from steergate.gateway.admission.limits import estimate_tokens
 from steergate.gateway.tenancy.records import Tenant
 from steergate.shared.capture import CaptureSpec, parse_capture
+from steergate.shared.clamp import OPS
 from steergate.shared.engine_api import EXPECT_FIELD
-from steergate.shared.errors import InvalidField
+from steergate.shared.errors import InvalidField, reject_unknown
 from steergate.shared.latch_spec import LatchSpec, clamp_items, sum_inline
 from steergate.shared.scoping import check_conversation_id, check_vector_name, scope
 from steergate.shared.settings import GatewaySettings
@@ -45,6 +46,7 @@ from steergate.shared.steering import (
     ModelShape,
     NamedTerm,
     SteeringRequest,
+    named_term_keys,
     parse_steering,
 )
 
@@ -162,6 +164,12 @@ def prescan(body: dict[str, Any], budget: InlineBudget = InlineBudget()) -> Head
             if not isinstance(term, dict):
                 raise InvalidField(param, f"'{param}' must be an object")
             if "name" in term:
+                # Its keys first, as the parser checks them: an unknown key is the same
+                # 400 whatever the body's size (a large body is parsed before admission,
+                # a small one's names were checked first and said unknown_vector).
+                op = term.get("op", "add")
+                if isinstance(op, str) and op in OPS:  # else the parser names the op
+                    reject_unknown(term, named_term_keys(op), param)
                 names.setdefault(check_vector_name(term["name"], f"{param}.name"), i)
             else:
                 hook = term.get("hook")

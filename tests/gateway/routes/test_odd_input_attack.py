@@ -305,3 +305,25 @@ def test_a_number_no_double_holds_is_a_400_naming_its_field_on_every_json_route(
     r = httpx.post(gateway.url + CHAT, headers=h, content=b"[1e400]")
     assert (error(r)["code"], error(r)["param"]) == ("invalid_json", "body")
     nothing_reached(fake_engine)
+
+
+@pytest.mark.parametrize("op", ["add", "clamp", "ablate"])
+def test_a_named_term_with_an_unknown_key_is_the_same_400_whatever_the_bodys_size(
+    gateway: ServerThread, redis_url: str, fake_engine: FakeEngine, op: str
+) -> None:
+    """Found from outside: a named term with an unknown key and a name the tenant lacks
+    was ``unknown_vector`` under 256 KiB (names checked at admission) and
+    ``invalid_request`` for the key above it (a large body is parsed first)."""
+    h = auth(make_tenant(redis_url, "acme"))
+    term = {"name": "nope", "op": op, "scal": 2}
+    if op == "clamp":
+        term["max"] = 1.0
+    for padding in ("", "x" * (300 * 1024)):
+        body = chat(steering={"vectors": [term]})
+        body["messages"][0]["content"] += padding
+        r = httpx.post(gateway.url + CHAT, headers=h, json=body, timeout=30)
+        err = error(r)
+        assert (err["code"], err["param"]) == ("invalid_request", "steering.vectors[0].scal"), (
+            len(padding), err,
+        )
+    nothing_reached(fake_engine)
