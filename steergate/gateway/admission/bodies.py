@@ -80,7 +80,7 @@ def parse_body(raw: bytes) -> dict[str, Any]:
             # Valid JSON (``1e400``, a 400-digit integer) that no double holds: a field
             # fault, not a syntax one.
             param = number_out_of_range(raw) if len(raw) <= LOCATE_NUMBER_BYTES else None
-            if not raw.lstrip()[:1] == b"{":
+            if raw.lstrip()[:1] != b"{":
                 raise InvalidField(
                     "body", "The request body must be a JSON object.", "invalid_json"
                 ) from exc
