@@ -9,6 +9,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -159,3 +160,73 @@ def test_the_default_model_is_served_in_float32_unless_a_dtype_is_given() -> Non
         "--dtype", "float32", "--max-model-len", "4096"]
     assert up.default_model_engine_args(["--dtype", "bfloat16"]) == ["--dtype", "bfloat16"]
     assert up.default_model_engine_args(["--dtype=half"]) == ["--dtype=half"]
+
+
+@pytest.mark.parametrize(
+    ("env", "args", "said"),
+    [
+        ({"STEERGATE_MAX_LATCHED_CONVERSATIONS": "abc"}, [], "STEERGATE_MAX_LATCHED_CONVERSATIONS"),
+        ({"REDIS_URL": "foo://bar"}, [], "REDIS_URL: must start with one of redis://"),
+        ({"REDIS_URL": "redis://127.0.0.1:1/0"}, [], "cannot reach Redis at REDIS_URL"),
+        ({}, ["--model", "/nonexistent/model"], "no such file or directory"),
+        ({}, ["--model", "EMPTY"], "not a model directory (it has no config.json)"),
+    ],
+)
+def test_up_refuses_bad_settings_redis_and_model_paths_before_starting_the_engine(
+    tmp_path: Path, env: dict[str, str], args: list[str], said: str
+) -> None:
+    """Found from outside: each of these cost an engine start (10-150 s) and then ended
+    in an error that did not name the cause (a worker's traceback, a 503 from the demo
+    tenant's creation, the last line of vLLM's log)."""
+    empty = tmp_path / "empty-model"
+    empty.mkdir()
+    home = tmp_path / "home"
+    args = [str(empty) if a == "EMPTY" else a for a in args]
+    started = time.monotonic()
+    out = steergate_run(
+        ["up", "--port", str(up.free_port()), *args], {"STEERGATE_HOME": str(home), **env},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert said in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert time.monotonic() - started < 30
+    assert not home.exists() or not (home / "logs").exists()  # no engine was started
+
+
+def test_engine_refuses_a_bad_engine_setting_before_vllm_starts(tmp_path: Path) -> None:
+    out = steergate_run(
+        ["engine", "--model", str(tmp_path)],
+        {"STEERGATE_ENGINE_TOKEN": "t", "STEERGATE_MAX_VECTORS": "0"},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2 and "STEERGATE_MAX_VECTORS" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_a_failed_start_names_the_last_error_and_keeps_the_earlier_runs_log(
+    tmp_path: Path,
+) -> None:
+    """Found from outside: the error showed vLLM's last log line (a pydantic docs URL),
+    not the cause above it, and each start overwrote the last run's log."""
+    log = tmp_path / "engine.log"
+    for run in ("first", "second"):
+        engine = up.Engine(model=run, port=up.free_port(), token="t", log_path=log)
+        script = (
+            "import sys; print('loading'); print('ValueError: Invalid repository ID or local "
+            "directory'); print('For further information visit https://errors.pydantic.dev');"
+            " sys.exit(1)"
+        )
+        engine.proc = subprocess.Popen(
+            [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        drain = threading.Thread(target=engine._drain, args=(engine.proc.stdout,))
+        drain.start()
+        engine.proc.wait(10)
+        drain.join(10)
+        with pytest.raises(up.EngineFailed) as failed:
+            engine.wait_ready(30, up.Progress("test", stream=io.StringIO()))
+        assert "last error in its log: 'ValueError: Invalid repository ID" in str(failed.value)
+    text = log.read_text()
+    assert text.count("steergate up: engine start") == 2
+    assert "(first)" in text and "(second)" in text and text.count("ValueError") == 2

@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import secrets
 import shlex
 import shutil
@@ -33,7 +34,7 @@ import httpx
 import numpy as np
 from pydantic import SecretStr, ValidationError
 
-from steergate.shared.settings import GatewaySettings, settings_error
+from steergate.shared.settings import EngineSettings, GatewaySettings, settings_error
 
 DEMO_TENANT = "demo"
 DEMO_VECTOR = "calm"
@@ -200,6 +201,7 @@ class Engine:
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
     last_line: str = ""
+    last_error: str = ""  # the last line that names an exception (the cause, usually)
 
     @property
     def url(self) -> str:
@@ -224,13 +226,19 @@ class Engine:
         # Keep reading for the engine's whole life: a full pipe would block it.
         if stream is None:
             return
-        with open(self.log_path, "wb") as log:
+        # Appended, under a header per start: a failed restart must not wipe the log of
+        # the run before it.
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n==== steergate up: engine start, {time.strftime('%Y-%m-%d %H:%M:%S')}"
+                      f" ({self.model}) ====\n".encode())
             for raw in iter(stream.readline, b""):
                 log.write(raw)
                 log.flush()
                 line = raw.decode(errors="replace").strip()
                 if line:
                     self.last_line = line
+                    if _ERROR_LINE.search(line):
+                        self.last_error = line
 
     def exited(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
@@ -259,8 +267,14 @@ class Engine:
 
 class EngineFailed(RuntimeError):
     def __init__(self, message: str, engine: Engine) -> None:
-        super().__init__(f"{message}; last engine log line: {engine.last_line!r}; "
+        error = engine.last_error
+        cause = f"last error in its log: {error!r}; " if error and error != engine.last_line else ""
+        super().__init__(f"{message}; {cause}last engine log line: {engine.last_line!r}; "
                          f"full log: {engine.log_path}")
+
+
+#: A log line that names an exception ("ValueError: ...", "RuntimeError: ...").
+_ERROR_LINE = re.compile(r"\b[A-Za-z_.]*(?:Error|Exception)\b:")
 
 
 class Progress:
@@ -419,6 +433,43 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return p.parse_known_args(argv)
 
 
+def _model_path_problem(model: str | None) -> str | None:
+    """Why ``--model`` cannot be served, when it is a local path (a Hugging Face id is
+    left to vLLM). Checked before the engine's minute-long start."""
+    if model is None or not (model.startswith(("/", ".", "~")) or os.path.exists(model)):
+        return None
+    path = Path(model).expanduser()
+    if not path.exists():
+        return f"--model {model!r}: no such file or directory"
+    if not path.is_dir() or not (path / "config.json").is_file():
+        return f"--model {model!r}: not a model directory (it has no config.json)"
+    return None
+
+
+def _redis_problem(redis_url: str | None, timeout_s: float = 3.0) -> str | None:
+    """Why REDIS_URL cannot be used now (None when unset or answering). Checked before
+    the engine starts: otherwise a Redis that is not there cost the engine's whole start
+    and ended in an error that did not name it."""
+    if not redis_url:
+        return None
+    from steergate.gateway.store.connection import connect
+
+    async def ping() -> None:
+        client = connect(redis_url, timeout_s)
+        try:
+            await asyncio.wait_for(client.ping(), timeout_s + 1)
+        finally:
+            await client.aclose()
+
+    try:
+        asyncio.run(ping())
+    except Exception as exc:
+        where = redis_url.split("@")[-1]  # never print a password
+        return (f"cannot reach Redis at REDIS_URL ({where}): {type(exc).__name__}; start it, "
+                "or unset REDIS_URL for the embedded store")
+    return None
+
+
 def _log_store(redis_url: str | None) -> str:
     if redis_url:
         return f"Redis ({redis_url.split('@')[-1]})"  # never print a password
@@ -494,10 +545,18 @@ def main(argv: list[str]) -> int:
     # after its own graceful shutdown, so the same path runs then too.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
 
-    try:
-        env = GatewaySettings()
-    except ValidationError as exc:
-        print(f"steergate up: {settings_error(exc, GatewaySettings)}", file=sys.stderr)
+    # Every setting of both halves, before anything starts: a bad engine setting used to
+    # surface a minute later, deep in a worker's traceback.
+    for settings_type in (GatewaySettings, EngineSettings):
+        try:
+            settings_type()
+        except ValidationError as exc:
+            print(f"steergate up: {settings_error(exc, settings_type)}", file=sys.stderr)
+            return 2
+    env = GatewaySettings()
+    problem = _model_path_problem(args.model) or _redis_problem(env.redis_url)
+    if problem:
+        print(f"steergate up: {problem}", file=sys.stderr)
         return 2
     keys = resolve_secrets(env)
     home = steergate_home()

@@ -95,6 +95,17 @@ def main(argv: list[str] | None = None) -> int:
         print("steergate engine: STEERGATE_ENGINE_TOKEN is not set; refusing to start an "
               "engine that anyone on the network could call", file=sys.stderr)
         return 2
+    # The engine's own settings, before vLLM's minute-long start: read first inside a
+    # worker, a bad one surfaced as "Engine core initialization failed".
+    from pydantic import ValidationError
+
+    from steergate.shared.settings import EngineSettings, settings_error
+
+    try:
+        EngineSettings()
+    except ValidationError as exc:
+        print(f"steergate engine: {settings_error(exc, EngineSettings)}", file=sys.stderr)
+        return 2
     args, env = apply_no_steering(args, build_env(os.environ))
     try:
         cmd = build_command(args)

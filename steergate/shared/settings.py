@@ -20,6 +20,9 @@ from steergate.shared.engine_api import (
     DEFAULT_MAX_VECTORS,
 )
 
+#: What REDIS_URL may start with (``steergate/gateway/store/connection.py`` connects each).
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
+
 
 class EngineSettings(BaseSettings):
     """Read by the engine's plugins inside vLLM's API-server process."""
@@ -83,8 +86,8 @@ class GatewaySettings(BaseSettings):
         default=None,
         validation_alias=AliasChoices("REDIS_URL", "redis_url"),
         description=(
-            "redis://, rediss:// or redis+cluster://; "
-            "unset means the embedded single-process store."
+            "redis://, rediss://, unix:// or redis+cluster:// (rediss+cluster:// with "
+            "TLS); unset means the embedded single-process store."
         ),
     )
     engine_urls: str = Field(
@@ -216,13 +219,20 @@ class GatewaySettings(BaseSettings):
 
     @field_validator("redis_url")
     @classmethod
-    def _not_empty(cls, v: str | None) -> str | None:
+    def _redis_url(cls, v: str | None) -> str | None:
         # Set but empty (a blank secret in a deployment) is not "unset": each replica
         # would quietly keep its own in-process tenants and limits.
         if v is not None and not v.strip():
             raise ValueError(
                 "REDIS_URL is set but empty; unset it for the embedded single-process "
                 "store, or give redis://, rediss:// or redis+cluster://"
+            )
+        if v is not None and not v.strip().startswith(REDIS_SCHEMES):
+            # Else the client refused it at start-up, as a traceback (found from outside).
+            scheme = v.strip().partition("://")[0] if "://" in v else "none"
+            raise ValueError(
+                f"must start with one of {', '.join(REDIS_SCHEMES)} "
+                f"(its scheme is {scheme[:20]!r})"
             )
         return v.strip() if v is not None else None
 

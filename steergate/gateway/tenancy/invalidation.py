@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 
 from steergate.gateway.store import key_names as keys
@@ -19,6 +20,10 @@ from steergate.gateway.store.connection import Redis, is_cluster
 from steergate.gateway.tenancy.auth_cache import AuthCache
 
 log = logging.getLogger("steergate.gateway.invalidation")
+
+
+#: While the subscription stays lost, its warning is repeated at most this often.
+LOST_LOG_INTERVAL_S = 30.0
 
 
 class Invalidations:
@@ -47,6 +52,8 @@ class Invalidations:
     async def listen(self, stop: asyncio.Event) -> None:
         """Run until ``stop``: apply invalidation events; on every (re)subscribe clear
         the whole cache, since events published while disconnected are lost."""
+        lost_since: float | None = None  # while the subscription is down
+        warned_at = 0.0
         while not stop.is_set():
             pubsub = None
             try:
@@ -64,6 +71,12 @@ class Invalidations:
                         # Redis delivers events only from here on; an entry cached from
                         # a read before this point may have missed its revocation.
                         self.cache.clear()
+                        if lost_since is not None:
+                            log.warning(
+                                "auth invalidation subscription back after %.0f s",
+                                time.monotonic() - lost_since,
+                            )
+                            lost_since = None
                     elif kind == "message":
                         data = msg["data"]  # type: ignore[index]
                         self.apply(data.decode() if isinstance(data, bytes) else str(data))
@@ -72,9 +85,19 @@ class Invalidations:
             except Exception as exc:  # transport failure: reconnect (clears on resubscribe)
                 # Entries stay usable meanwhile: no revocation can happen while Redis is
                 # unreachable, and with fail-open set the cached keys keep serving.
-                log.warning(
-                    "auth invalidation subscription lost (%s); retrying", type(exc).__name__
-                )
+                # Retried every 0.25 s (revocations resume within a second of Redis's
+                # return), but said once, then every LOST_LOG_INTERVAL_S: it was four
+                # warnings a second for as long as Redis was down.
+                now = time.monotonic()
+                if lost_since is None or now - warned_at >= LOST_LOG_INTERVAL_S:
+                    down = "" if lost_since is None else f" for {now - lost_since:.0f} s"
+                    log.warning(
+                        "auth invalidation subscription lost%s (%s); retrying",
+                        down,
+                        type(exc).__name__,
+                    )
+                    warned_at = now
+                lost_since = now if lost_since is None else lost_since
                 if is_cluster(self.redis):  # the node may be gone: reload the slot map
                     with contextlib.suppress(Exception):
                         await self.redis.nodes_manager.initialize()
