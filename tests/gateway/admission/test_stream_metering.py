@@ -127,9 +127,11 @@ def test_relay_drops_only_the_usage_chunk_the_gateway_asked_for() -> None:
     meter = StreamMeter()
     assert _relay_event(usage, False, meter, None, "acme") == (None, 0)
     assert _relay_event(usage, True, meter, None, "acme") == (usage + b"\n\n", 0)
-    content = _event(_chunk("hi acme~x"))
-    assert _relay_event(content, False, meter, None, "acme") == (
-        _event(_chunk("hi x")) + b"\n\n",
+    content = _event(_chunk("hi acme~x"))  # generated text: relayed as written
+    assert _relay_event(content, False, meter, None, "acme") == (content + b"\n\n", 0)
+    echoed = _event({**_chunk("hi"), "conversation_id": "acme~x"})  # an echoed id: scrubbed
+    assert _relay_event(echoed, False, meter, None, "acme") == (
+        _event({**_chunk("hi"), "conversation_id": "x"}) + b"\n\n",
         0,
     )
     assert meter.tokens(lambda: 0) == 8
