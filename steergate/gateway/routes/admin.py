@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -28,6 +27,7 @@ from steergate.gateway.deps import get_services
 from steergate.gateway.engines.client import EngineClient
 from steergate.gateway.engines.overview import capacity, engine_statuses
 from steergate.gateway.tenancy import audit
+from steergate.gateway.tenancy.api_keys import looks_like_key_id
 from steergate.gateway.tenancy.auth import require_admin
 from steergate.gateway.tenancy.records import (
     ADMIN_ROLES,
@@ -47,7 +47,6 @@ from steergate.shared import request_id
 from steergate.shared.errors import APIError, InvalidField, reject_unknown
 from steergate.shared.scoping import check_tenant_id
 
-_KEY_ID = re.compile(r"(?:key|adm)_[0-9a-f]{16}")
 log = logging.getLogger("steergate.gateway.admin")
 
 router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)])
@@ -181,7 +180,7 @@ async def _json_object(request: Request) -> dict[str, Any]:
 def _shown(key_id: str) -> str:
     """A key id as an error names it: quoted when it has the shape ids are made in
     (``key_``/``adm_`` + 16 hex), else not echoed (it is the caller's raw input)."""
-    return f"'{key_id}'" if _KEY_ID.fullmatch(key_id) else "with that id"
+    return f"'{key_id}'" if looks_like_key_id(key_id) else "with that id"
 
 
 def _check_common(body: dict[str, Any]) -> None:

@@ -19,6 +19,8 @@ ADMIN_KEY_PREFIX = "sk-sga-"
 #: Random part: 32 bytes -> 43 urlsafe base64 characters (no padding).
 _KEY_RE = re.compile(r"\Ask-sg-[A-Za-z0-9_-]{43}\Z")  # \Z, not $: "$" passes a final "\n"
 _ADMIN_KEY_RE = re.compile(r"\Ask-sga-[A-Za-z0-9_-]{43}\Z")
+#: A key's public handle as generate_key_id / generate_admin_key_id make it.
+_KEY_ID_RE = re.compile(r"\A(?:key|adm)_[0-9a-f]{16}\Z")
 #: How much of a key is shown back (lists, dashboard): "sk-sg-" + 6 random chars,
 #: 36 bits — enough to tell keys apart, far too little to guess the rest.
 DISPLAY_CHARS = 12
@@ -56,6 +58,12 @@ def looks_like_key(key: str) -> bool:
 
 def looks_like_admin_key(key: str) -> bool:
     return _ADMIN_KEY_RE.fullmatch(key) is not None
+
+
+def looks_like_key_id(key_id: str) -> bool:
+    """A tenant or admin key's handle in the shape it is made in (``key_``/``adm_`` + 16
+    hex characters)."""
+    return _KEY_ID_RE.fullmatch(key_id) is not None
 
 
 def hash_key(pepper: str, key: str) -> str:
