@@ -28,13 +28,16 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, NoReturn
+from typing import IO, Any, NoReturn, TypeVar
 
 import httpx
 import numpy as np
 from pydantic import SecretStr, ValidationError
+from pydantic_settings import BaseSettings
 
 from steergate.shared.settings import EngineSettings, GatewaySettings, settings_error
+
+S = TypeVar("S", bound=BaseSettings)
 
 DEMO_TENANT = "demo"
 DEMO_VECTOR = "calm"
@@ -433,6 +436,21 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return p.parse_known_args(argv)
 
 
+def _checked(settings_type: type[S]) -> S | None:
+    """``settings_type()`` read from the environment, or None once its faults are
+    printed (one line naming each variable)."""
+    try:
+        return settings_type()
+    except ValidationError as exc:
+        print(f"steergate up: {settings_error(exc, settings_type)}", file=sys.stderr)
+        return None
+
+
+def _redis_where(redis_url: str) -> str:
+    """REDIS_URL as it may be printed: never its password."""
+    return redis_url.split("@")[-1]
+
+
 def _model_path_problem(model: str | None) -> str | None:
     """Why ``--model`` cannot be served, when it is a local path (a Hugging Face id is
     left to vLLM). Checked before the engine's minute-long start."""
@@ -464,15 +482,15 @@ def _redis_problem(redis_url: str | None, timeout_s: float = 3.0) -> str | None:
     try:
         asyncio.run(ping())
     except Exception as exc:
-        where = redis_url.split("@")[-1]  # never print a password
-        return (f"cannot reach Redis at REDIS_URL ({where}): {type(exc).__name__}; start it, "
+        return (f"cannot reach Redis at REDIS_URL ({_redis_where(redis_url)}): "
+                f"{type(exc).__name__}; start it, "
                 "or unset REDIS_URL for the embedded store")
     return None
 
 
 def _log_store(redis_url: str | None) -> str:
     if redis_url:
-        return f"Redis ({redis_url.split('@')[-1]})"  # never print a password
+        return f"Redis ({_redis_where(redis_url)})"
     banner = ("WARNING: REDIS_URL is not set, so the gateway uses its embedded in-process store. "
               "Tenants, keys, quotas and usage live in this process only: they are lost on exit "
               "and cannot be shared by a second gateway. Set REDIS_URL for anything but a demo.")
@@ -547,13 +565,9 @@ def main(argv: list[str]) -> int:
 
     # Every setting of both halves, before anything starts: a bad engine setting used to
     # surface a minute later, deep in a worker's traceback.
-    for settings_type in (GatewaySettings, EngineSettings):
-        try:
-            settings_type()
-        except ValidationError as exc:
-            print(f"steergate up: {settings_error(exc, settings_type)}", file=sys.stderr)
-            return 2
-    env = GatewaySettings()
+    env = _checked(GatewaySettings)
+    if env is None or _checked(EngineSettings) is None:
+        return 2
     problem = _model_path_problem(args.model) or _redis_problem(env.redis_url)
     if problem:
         print(f"steergate up: {problem}", file=sys.stderr)

@@ -79,11 +79,11 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         if str(exc).startswith("number is infinity"):
             # Valid JSON (``1e400``, a 400-digit integer) that no double holds: a field
             # fault, not a syntax one.
-            param = number_out_of_range(raw) if len(raw) <= LOCATE_NUMBER_BYTES else None
             if raw.lstrip()[:1] != b"{":
                 raise InvalidField(
                     "body", "The request body must be a JSON object.", "invalid_json"
                 ) from exc
+            param = number_out_of_range(raw) if len(raw) <= LOCATE_NUMBER_BYTES else None
             raise InvalidField(
                 param or "body",
                 f"'{param}' is a number too large to represent (beyond a double's range)"
