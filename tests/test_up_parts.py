@@ -194,6 +194,22 @@ def test_up_refuses_bad_settings_redis_and_model_paths_before_starting_the_engin
     assert not home.exists() or not (home / "logs").exists()  # no engine was started
 
 
+def test_up_says_it_ignores_engine_urls_instead_of_refusing_a_stale_one(tmp_path: Path) -> None:
+    """`up` serves its own engine, yet a stale STEERGATE_ENGINE_URLS in the shell refused
+    its start. Now it says the variable is ignored and goes on (here to the next check,
+    the model path, so that no engine starts)."""
+    out = steergate_run(
+        ["up", "--port", str(up.free_port()), "--model", "/nonexistent/model"],
+        {"STEERGATE_HOME": str(tmp_path / "home"), "STEERGATE_ENGINE_URLS": "nope"},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "steergate up: STEERGATE_ENGINE_URLS is ignored: up starts and serves its own engine",
+        "steergate up: --model '/nonexistent/model': no such file or directory",
+    ]
+
+
 def test_engine_refuses_a_bad_engine_setting_before_vllm_starts(tmp_path: Path) -> None:
     out = steergate_run(
         ["engine", "--model", str(tmp_path)],

@@ -35,7 +35,12 @@ import numpy as np
 from pydantic import SecretStr, ValidationError
 from pydantic_settings import BaseSettings
 
-from steergate.shared.settings import EngineSettings, GatewaySettings, settings_error
+from steergate.shared.settings import (
+    EngineSettings,
+    GatewaySettings,
+    port_argument,
+    settings_error,
+)
 
 S = TypeVar("S", bound=BaseSettings)
 
@@ -87,16 +92,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
-
-
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a port: {text!r}") from None
-    if not 1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"not a port: {text!r} (1-65535)")
-    return port
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -426,7 +421,8 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--model", help="model path or Hugging Face id (default: SmolLM2-135M-Instruct, "
                                     "fetched and converted on first use)")
     p.add_argument(
-        "--port", type=_port, default=None, help="gateway port (default STEERGATE_PORT, or 8080)"
+        "--port", type=port_argument, default=None,
+        help="gateway port (default STEERGATE_PORT, or 8080)",
     )
     p.add_argument(
         "--host", default=None, help="gateway bind address (default STEERGATE_HOST, or 127.0.0.1)"
@@ -436,11 +432,11 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return p.parse_known_args(argv)
 
 
-def _checked(settings_type: type[S]) -> S | None:
-    """``settings_type()`` read from the environment, or None once its faults are
-    printed (one line naming each variable)."""
+def _checked(settings_type: type[S], **given: Any) -> S | None:
+    """``settings_type(**given)``, the rest read from the environment, or None once its
+    faults are printed (one line naming each variable)."""
     try:
-        return settings_type()
+        return settings_type(**given)
     except ValidationError as exc:
         print(f"steergate up: {settings_error(exc, settings_type)}", file=sys.stderr)
         return None
@@ -565,7 +561,13 @@ def main(argv: list[str]) -> int:
 
     # Every setting of both halves, before anything starts: a bad engine setting used to
     # surface a minute later, deep in a worker's traceback.
-    env = _checked(GatewaySettings)
+    # `up` serves its own engine, so STEERGATE_ENGINE_URLS is not read: a stale value used
+    # to refuse a start that would never have used it. Its default stands in.
+    if os.environ.get("STEERGATE_ENGINE_URLS"):
+        print("steergate up: STEERGATE_ENGINE_URLS is ignored: up starts and serves its own "
+              "engine", file=sys.stderr)
+    env = _checked(GatewaySettings,
+                   engine_urls=GatewaySettings.model_fields["engine_urls"].default)
     if env is None or _checked(EngineSettings) is None:
         return 2
     problem = _model_path_problem(args.model) or _redis_problem(env.redis_url)

@@ -22,26 +22,32 @@ REQUIRED = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pydantic import ValidationError
+
+    from steergate.shared.settings import GatewaySettings, port_argument, settings_error
+
     parser = argparse.ArgumentParser(
         prog="steergate gateway",
         description="Serve the multi-tenant gateway. Configuration is read from the "
         "environment (README.md, Configuration); the secrets STEERGATE_ADMIN_KEY, "
         "STEERGATE_KEY_PEPPER and STEERGATE_ENGINE_TOKEN are required.",
     )
-    parser.add_argument("--port", type=int, default=None, help="port (env STEERGATE_PORT)")
+    parser.add_argument(
+        "--port", type=port_argument, default=None, help="port (env STEERGATE_PORT)"
+    )
     parser.add_argument("--host", default=None, help="bind address (env STEERGATE_HOST)")
     parser.add_argument(
         "--log-level", default="info", choices=("debug", "info", "warning", "error")
     )
     args = parser.parse_args(argv)
-
-    from pydantic import ValidationError
-
-    from steergate.shared.settings import GatewaySettings, settings_error
-
     overrides = {k: v for k, v in {"port": args.port, "host": args.host}.items() if v is not None}
     try:
-        settings = GatewaySettings(**overrides)
+        # The environment is checked in full even where a flag replaces a value: a bad
+        # STEERGATE_PORT beside --port was ignored without a word, and broke the next
+        # start that went without the flag.
+        settings = GatewaySettings()
+        if overrides:
+            settings = GatewaySettings(**overrides)
     except ValidationError as exc:
         print(
             f"steergate gateway: refusing to start: {settings_error(exc, GatewaySettings)}",

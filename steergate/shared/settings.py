@@ -6,6 +6,7 @@ without the ``STEERGATE_`` prefix. CLI flags override by passing keyword values.
 
 from __future__ import annotations
 
+import argparse
 from typing import Literal
 from urllib.parse import urlsplit
 
@@ -268,6 +269,18 @@ def check_engine_url(url: str) -> None:
         raise ValueError(f"not an engine URL: {url!r} (expected http://host:port)")
     if port == 0:
         raise ValueError(f"not an engine URL: {url!r} (port 0)")
+
+
+def port_argument(text: str) -> int:
+    """A ``--port`` flag's value (argparse ``type=``): a flag's fault is named as the flag,
+    not as the STEERGATE_PORT it stands in for."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port: {text!r}") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"not a port: {text!r} (1-65535)")
+    return port
 
 
 def settings_error(exc: ValidationError, settings: type[BaseSettings]) -> str:

@@ -54,6 +54,22 @@ def test_a_setting_that_would_break_every_request_refuses_the_start(
     assert says in line, line
 
 
+def test_a_flag_does_not_hide_a_bad_setting_it_replaces_and_is_named_as_the_flag() -> None:
+    """With --port given, STEERGATE_PORT=abc was never read: the start went on without a
+    word, and the next start without the flag failed. And a bad --port was reported as
+    STEERGATE_PORT, a variable the operator never set."""
+    done = steergate_run(["gateway", "--port", "9"], {**SECRETS, "STEERGATE_PORT": "abc"},
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith("steergate gateway: refusing to start: STEERGATE_PORT:"), line
+    done = steergate_run(["gateway", "--port", "99999"], SECRETS,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "argument --port: not a port: '99999' (1-65535)" in done.stderr, done.stderr
+    assert "STEERGATE_PORT" not in done.stderr
+
+
 def test_an_unknown_log_level_is_a_usage_error_not_a_traceback() -> None:
     done = steergate_run(
         ["gateway", "--log-level", "trace"], SECRETS, capture_output=True, text=True, timeout=60
