@@ -144,7 +144,9 @@ _CODES = (
     _e("key_not_found", 404, _N, _GW, "no key with this key id"),
     _e("vector_not_found", 404, _N, _BOTH, "the caller has no vector with this name"),
     _e("latch_not_found", 404, _N, _BOTH, "the caller has no latch for this conversation"),
-    _e("method_not_allowed", 405, _N, _BOTH, "the route exists, the method does not"),
+    _e("method_not_allowed", 405, _N, _BOTH,
+       "the route exists, the method does not; decided before authentication, as the route "
+       "list is public (this document)"),
     _e("tenant_exists", 409, _N, _GW, "`POST /admin/tenants` with an id in use"),
     _e("tenant_changed", 409, _B, _GW,
        "`PATCH /admin/tenants/{id}` lost the race to other updates of the same tenant five "
