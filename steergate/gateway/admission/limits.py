@@ -2,7 +2,8 @@
 latch quota for a request, and returns everything the response headers need.
 
 Token reservation: the prompt is estimated at one token per 4 characters (the usual
-English average; tool schemas and tool calls count as their JSON) plus ``max_tokens``
+English average; tool schemas and tool calls count as their JSON), plus what a chat
+template adds to a conversation (chat and Responses), plus ``max_tokens``
 (``max_completion_tokens``; 256 when absent), capped at the tenant's tpm so a single
 large request is admissible when the bucket is full. Settlement later corrects the
 reservation to the engine's ``usage``.
@@ -36,6 +37,12 @@ log = logging.getLogger("steergate.gateway.limits")
 
 DEFAULT_COMPLETION_RESERVE = 256
 CHARS_PER_TOKEN = 4
+#: Tokens a chat template adds to a conversation: once per prompt (a default system
+#: prompt, the generation prompt) and per message (role markers, separators). SmolLM2's
+#: adds 30 to one user message, 14 to system + user, 32 to user + assistant and 43 to four
+#: messages; these give 30, 36, 36 and 48. Settlement charges what the engine counted.
+TEMPLATE_TOKENS_PER_PROMPT = 24
+TEMPLATE_TOKENS_PER_MESSAGE = 6
 #: admit_request.lua's status for an admission that ran after its deadline.
 LATE = 5
 #: Added to the Redis timeout for the deadline. An admission that runs inside the slack
@@ -51,9 +58,15 @@ def period_left_ms(now_ms: int, period: str) -> int:
     return keys.period_end_s(now_ms / 1000, period) * 1000 - now_ms
 
 
+def template_tokens(messages: int) -> int:
+    """What a chat template adds to a conversation of ``messages`` messages."""
+    return TEMPLATE_TOKENS_PER_PROMPT + TEMPLATE_TOKENS_PER_MESSAGE * messages
+
+
 def estimate_tokens(body: dict[str, Any]) -> int:
     """Prompt estimate + completion budget (see module docstring)."""
     chars = 0
+    templated = 0  # tokens the chat template adds
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         chars += len(prompt)
@@ -68,6 +81,10 @@ def estimate_tokens(body: dict[str, Any]) -> int:
     messages = body.get("messages")
     if isinstance(body.get("input"), list):  # Responses API input items read like messages
         messages = body["input"]
+    if isinstance(messages, list) or isinstance(body.get("input"), str):
+        # a Responses string input is one user message; instructions one system message
+        count = len(messages) if isinstance(messages, list) else 1
+        templated = template_tokens(count + isinstance(body.get("instructions"), str))
     for msg in messages if isinstance(messages, list) else []:
         content = msg.get("content") if isinstance(msg, dict) else None
         if isinstance(content, str):
@@ -94,8 +111,8 @@ def estimate_tokens(body: dict[str, Any]) -> int:
     steering = body.get("steering")
     if isinstance(steering, dict) and steering.get("compare") is True:
         # steering.compare: the engine runs the request twice (steergate/engine/http/compare.py)
-        return 2 * (math.ceil(chars / CHARS_PER_TOKEN) + budget * n)
-    return math.ceil(chars / CHARS_PER_TOKEN) + budget * n
+        return 2 * (math.ceil(chars / CHARS_PER_TOKEN) + templated + budget * n)
+    return math.ceil(chars / CHARS_PER_TOKEN) + templated + budget * n
 
 
 def _json_chars(value: Any) -> int:

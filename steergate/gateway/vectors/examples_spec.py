@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from steergate.gateway.admission.limits import CHARS_PER_TOKEN
+from steergate.gateway.admission.limits import CHARS_PER_TOKEN, template_tokens
 from steergate.gateway.vectors.contrast import METHODS, MIN_PER_SIDE
 from steergate.shared.errors import InvalidField, reject_unknown
 from steergate.shared.steering import HOOKS, ModelShape
@@ -34,12 +34,6 @@ MAX_TOTAL_CHARS = 400_000
 #: Messages in one example.
 MAX_MESSAGES = 32
 MAX_DESCRIPTION = 1024
-#: Tokens a chat template adds to a messages example: once per list (a default system
-#: prompt, the generation prompt) and per message (role markers, separators). SmolLM2's
-#: adds 30 to one user message, 14 to system + user, 32 to user + assistant and 43 to four
-#: messages; these give 30, 36, 36 and 48. Settlement charges what the engine counted.
-TEMPLATE_TOKENS_PER_EXAMPLE = 24
-TEMPLATE_TOKENS_PER_MESSAGE = 6
 
 Example = str | list[dict[str, str]]
 
@@ -67,16 +61,14 @@ class ExamplesSpec:
     @property
     def token_estimate(self) -> int:
         """What admission reserves: the prompts (the gateway's usual estimate), what a
-        chat template adds to each messages example (:data:`TEMPLATE_TOKENS_PER_EXAMPLE`,
-        :data:`TEMPLATE_TOKENS_PER_MESSAGE`),
-        plus the one token each capture request generates per example. Settlement then
-        charges what the engine counted."""
+        chat template adds to each messages example (``template_tokens``), plus the one
+        token each capture request generates per example. Settlement then charges what
+        the engine counted."""
         examples = (*self.positive, *self.negative)
         templated = [e for e in examples if not isinstance(e, str)]
         return (
             math.ceil(self.chars / CHARS_PER_TOKEN)
-            + TEMPLATE_TOKENS_PER_EXAMPLE * len(templated)
-            + TEMPLATE_TOKENS_PER_MESSAGE * sum(map(len, templated))
+            + sum(template_tokens(len(e)) for e in templated)
             + len(examples)
         )
 

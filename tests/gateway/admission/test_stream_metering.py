@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import orjson
 
+from steergate.gateway.admission.limits import template_tokens
 from steergate.gateway.admission.stream_meter import StreamMeter, prompt_estimate
 from steergate.gateway.routes.inference import _relay_event
 from steergate.gateway.store import key_names as keys
@@ -118,7 +119,10 @@ def test_choices_of_n_are_summed_and_final_usage_wins() -> None:
 
 def test_prompt_estimate_ignores_the_completion_budget() -> None:
     body = {"messages": [{"role": "user", "content": "x" * 40}], "max_tokens": 5000, "n": 4}
-    assert prompt_estimate(orjson.dumps(body)) == 10
+    # 40 characters, plus what a chat template adds to one message
+    assert prompt_estimate(orjson.dumps(body)) == 10 + template_tokens(1)
+    completions = {"prompt": "x" * 40, "max_tokens": 5000}  # no template
+    assert prompt_estimate(orjson.dumps(completions)) == 10
     assert prompt_estimate(b"not json") == 0
 
 

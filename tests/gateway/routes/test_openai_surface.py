@@ -21,6 +21,7 @@ import httpx
 import openai
 import pytest
 
+from steergate.gateway.admission.limits import template_tokens
 from steergate.shared import errors
 from tests.gateway.conftest import ADMIN_KEY, ENGINE_TOKEN, FakeEngine, make_tenant
 from tests.gateway.servers import ServerThread
@@ -409,11 +410,11 @@ def test_sdk_never_retries_what_waiting_cannot_fix(
 def test_sdk_waits_exactly_the_retry_time_of_a_rate_limit_and_then_succeeds(
     gateway: ServerThread, redis_url: str, fake_engine: FakeEngine
 ) -> None:
-    """tpm 1000: a slow request holds a 1000-token reservation (the whole minute), so
-    the SDK's request (prompt 1 + max_tokens 9 = 10 tokens) gets a 429 whose retry
-    time is exactly when 10 tokens will have drained (600 ms, less what drained since).
-    The SDK waits that long, once, and the retry is admitted."""
-    key = make_tenant(redis_url, "acme", tpm=1000)
+    """tpm 5000: a slow request holds a 5000-token reservation (the whole minute), so
+    the SDK's request (prompt 1 + the chat template's 30 + max_tokens 9 = 40 tokens)
+    gets a 429 whose retry time is exactly when 40 tokens will have drained (480 ms,
+    less what drained since). The SDK waits that long, once, and the retry is admitted."""
+    key = make_tenant(redis_url, "acme", tpm=5000)
     client, attempts = sdk(gateway, key)
     answers: list[tuple[int, dict[str, str]]] = []
     client._client.event_hooks["response"] = [
@@ -424,7 +425,7 @@ def test_sdk_waits_exactly_the_retry_time_of_a_rate_limit_and_then_succeeds(
         target=lambda: httpx.post(
             f"{gateway.url}/v1/chat/completions",
             headers=h(key),
-            json={"messages": MSG, "max_tokens": 1000, "fake_delay": 2.0},
+            json={"messages": MSG, "max_tokens": 5000, "fake_delay": 2.0},
             timeout=10,
         )
     )
@@ -439,7 +440,8 @@ def test_sdk_waits_exactly_the_retry_time_of_a_rate_limit_and_then_succeeds(
     assert (status, ok) == (429, 200)
     assert refused["x-should-retry"] == "true"
     ms = int(refused["retry-after-ms"])
-    assert 300 < ms <= 600 and refused["retry-after"] == "1"
+    drain_ms = (1 + template_tokens(1) + 9) * 60_000 // 5000
+    assert drain_ms == 480 and drain_ms - 200 < ms <= drain_ms and refused["retry-after"] == "1"
     waited = attempts.at[1] - attempts.at[0]
     assert ms / 1000 <= waited < ms / 1000 + 0.5
     slow.join(10)
