@@ -342,3 +342,30 @@ async def test_a_cancelled_admission_gives_the_keys_slot_back(redis_url: str) ->
         assert await _admit(limiter, tenant, key) == 200
     finally:
         await client.aclose()
+
+
+def test_a_burst_of_short_chat_requests_reserves_what_the_chat_template_adds(
+    start_gateway: Any, redis_url: str
+) -> None:
+    """Found from outside: 60 chat requests of "hi" with max_tokens 1 at once, against a
+    budget of 60 tokens, each reserved 2 tokens (1 for the prompt, 1 completion) while
+    the engine charged several times that: 30 were admitted and 180 tokens used. A chat
+    template adds 30 tokens to one message on SmolLM2; the reservation now counts them
+    (24 + 6 per message), so the burst stops at two (0 and 32 held before each)."""
+    gateway = start_gateway()
+    key = make_tenant(redis_url, "burst", rpm=10_000, max_concurrency=1000,
+                      token_budget={"tokens": 60, "period": "day"})  # fmt: skip
+    body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+            "fake_delay": 0.5}  # fmt: skip
+
+    async def burst() -> list[int]:
+        async with httpx.AsyncClient(timeout=30) as client:
+            got = await asyncio.gather(*(
+                client.post(gateway.url + "/v1/chat/completions", json=body,
+                            headers={"Authorization": f"Bearer {key}"})
+                for _ in range(60)
+            ))  # fmt: skip
+        return [r.status_code for r in got]
+
+    codes = asyncio.run(burst())
+    assert codes.count(200) == 2 and codes.count(429) == 58, codes
