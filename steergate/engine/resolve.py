@@ -28,12 +28,15 @@ from steergate.shared.engine_api import LatchState
 from steergate.shared.errors import APIError, InvalidField
 from steergate.shared.latch_spec import LatchSpec, accumulate, clamp_items, sum_inline
 from steergate.shared.steering import (
-    DTYPE_MAX,
     InlineTerm,
     NamedTerm,
+    SteeringBound,
     SteeringRequest,
     check_sites_finite,
 )
+
+#: A float32 model of one layer: the bound where the caller names none (tests).
+FLOAT32_BOUND = SteeringBound()
 
 
 @dataclass(frozen=True)
@@ -75,17 +78,17 @@ def resolve_turn(
     controller: LatchController,
     expect: Expect | None = None,
     max_clamps: int = DEFAULT_MAX_CLAMPS_PER_SITE,
-    dtype: str = "float32",
+    bound: SteeringBound = FLOAT32_BOUND,
 ) -> Resolution:
     """Raises :class:`InvalidField` (or a 409 cache miss) before any latch changes, so
-    a rejected request never stores, replaces or drops a latch. ``dtype``: the served
-    model's, whose range the applied steering must stay within."""
+    a rejected request never stores, replaces or drops a latch. ``bound``: how far the
+    applied steering may move the served model's stream."""
     if steering is None:
         if conversation_id is None:
             return Resolution("none")
         if expect is not None and expect.restore is not None:
             return _restore(
-                expect.restore, conversation_id, registry, controller, max_clamps, dtype
+                expect.restore, conversation_id, registry, controller, max_clamps, bound
             )
         if expect is not None and expect.latch == "":
             # The system of record holds no latch (never stored, evicted by the tenant's
@@ -119,7 +122,7 @@ def resolve_turn(
     clamps = resolve_clamps(items, registry)
     check_per_point(clamps, max_clamps)
     # each term is finite; their sum at a point of the stream, or a named term's, may not be
-    check_in_range(sites, clamps, dtype)
+    check_in_range(sites, clamps, bound)
     state: LatchState = "none"
     if steering.latch and conversation_id is not None:
         state = controller.store(conversation_id, Latch(steering.phase, value_sites, refs, items))
@@ -170,7 +173,7 @@ def _restore(
     registry: VectorRegistry,
     controller: LatchController,
     max_clamps: int = DEFAULT_MAX_CLAMPS_PER_SITE,
-    dtype: str = "float32",
+    bound: SteeringBound = FLOAT32_BOUND,
 ) -> Resolution:
     """Install the gateway's copy of the conversation's latch, then bridge with it.
     A by-reference term whose vector now has other content makes it stale, exactly as
@@ -185,25 +188,26 @@ def _restore(
     clamps = resolve_clamps(latch.clamps, registry)
     check_per_point(clamps, max_clamps)
     sites = combine(latch.value_sites, latch.refs, registry)
-    check_in_range(sites, clamps, dtype)  # the gateway's copy is input too
+    check_in_range(sites, clamps, bound)  # the gateway's copy is input too
     controller.store(conversation_id, latch)
     return Resolution("restored", latch.phase, sites, clamps)
 
 
 def check_in_range(
-    sites: Mapping[Site, np.ndarray], clamps: Iterable[Resolved], dtype: str
+    sites: Mapping[Site, np.ndarray], clamps: Iterable[Resolved], bound: SteeringBound
 ) -> None:
-    """What a turn applies stays within the served dtype's range, where the tables hold
-    it: the summed steering at each point of the stream, and each clamp's bounds (a
-    clamp moves the projection to a bound: one of 1e5 is inf in float16)."""
-    check_sites_finite(sites, dtype=dtype)
-    limit = DTYPE_MAX[dtype]
+    """What a turn applies stays within ``bound``: the summed steering at each point of
+    the stream, and each clamp's bounds (a clamp moves the projection to a bound: one of
+    1e5 is inf in float16)."""
+    check_sites_finite(sites, bound)
+    limit = bound.limit
     for c in clamps:
-        for bound in (c.bounds.lo, c.bounds.hi):
-            if bound is not None and abs(bound) > limit:
+        for value in (c.bounds.lo, c.bounds.hi):
+            if value is not None and abs(value) > limit:
                 raise InvalidField(
                     "steering.vectors",
-                    f"'steering.vectors': a clamp bound of {bound:.7g} overflows {dtype}",
+                    f"'steering.vectors': a clamp bound of {value:.7g} is beyond {limit:.4g}, "
+                    f"the most this {bound.dtype} model takes (more overflows it)",
                 )
 
 

@@ -38,6 +38,14 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 #: The largest finite value of each dtype a model may be served in: the steering
 #: tables hold the summed steering in it (a float16 row of 1e5 is inf).
 DTYPE_MAX = {"float32": FLOAT32_MAX, "bfloat16": 3.3895313892515355e38, "float16": 65504.0}
+#: The most a request's summed steering may hold in one element at one point of the
+#: stream (and the largest clamp bound), whatever the dtype: 100 times the largest
+#: activations reported in LLM residual streams (about 1e4, "massive activations"). Past
+#: about 1e19 the float32 math of a norm squares the stream to inf, every point at once
+#: may add this much, and a non-finite hidden state is not the request's alone: it is
+#: written to KV-cache blocks that other requests are given next (found from outside: one
+#: tenant's 3e38 at 8 points emptied another tenant's unsteered answers).
+STEER_ABS_MAX = 1e6
 #: Layer keys are ASCII decimal without sign or leading zeros ("²".isdigit() and
 #: int("١") == 1 are why this is not ``str.isdigit``); 9 digits is past any model.
 _LAYER_KEY = re.compile(r"0|[1-9][0-9]{0,8}")
@@ -381,30 +389,49 @@ def _check_scaled(layers: Mapping[int, np.ndarray], scale: float, param: str) ->
                 raise InvalidField(param, f"'{param}' times the vector overflows float32")
 
 
+@dataclass(frozen=True)
+class SteeringBound:
+    """How far a request may move the residual stream of the served model: ``limit`` per
+    element of the summed steering at one point, and per clamp bound. All 2 L + 1 points
+    at once stay within half the dtype's range (the tables and the stream hold the
+    steering in it: a float16 row of 1e5 is inf), and never past :data:`STEER_ABS_MAX`."""
+
+    dtype: str = "float32"  # a key of DTYPE_MAX
+    num_layers: int = 1
+
+    @property
+    def limit(self) -> float:
+        points = 2 * max(1, self.num_layers) + 1
+        return min(STEER_ABS_MAX, DTYPE_MAX[self.dtype] / (2 * points))
+
+
 def check_sites_finite(
     sites: Mapping[Site, np.ndarray],
+    bound: SteeringBound,
     param: str = "steering.vectors",
-    dtype: str = "float32",
 ) -> None:
     """The summed steering (inline and named terms, each scaled) must be finite and
-    within the range of ``dtype`` (the served model's, a key of :data:`DTYPE_MAX`: the
-    tables hold the steering in it) at every point of the stream: every term may be
-    finite while their sum is not, and ``post_block`` l and ``pre_attn`` l+1 are one
-    point, summed into one table row (``engine/worker/tables.py``)."""
-    limit = DTYPE_MAX[dtype]
+    within ``bound`` at every point of the stream: every term may be within it while
+    their sum is not, and ``post_block`` l and ``pre_attn`` l+1 are one point, summed
+    into one table row (``engine/worker/tables.py``)."""
+    limit = bound.limit
     points: dict[Site, np.ndarray] = {}
     with np.errstate(over="ignore", invalid="ignore"):
         for site, vec in sites.items():
             at = point(site)
             points[at] = points[at] + vec if at in points else vec
         for (hook, layer), summed in points.items():
-            if np.isfinite(summed).all() and float(np.abs(summed).max(initial=0.0)) <= limit:
+            peak = float(np.abs(summed).max(initial=0.0))
+            if peak <= limit:  # NaN compares False: refused too
                 continue
             where = f"{hook} layer {layer}"
             if hook == "post_block":
                 where += f" (the same point as pre_attn layer {layer + 1})"
             raise InvalidField(
-                param, f"'{param}': the summed steering at {where} overflows {dtype}"
+                param,
+                f"'{param}': the summed steering at {where} reaches {peak:.4g} in one "
+                f"element; this {bound.dtype} model takes at most {limit:.4g} per point of "
+                "the stream (more overflows it)",
             )
 
 

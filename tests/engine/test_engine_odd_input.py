@@ -170,8 +170,9 @@ async def test_a_sum_or_named_term_that_overflows_float32_is_a_400_and_stores_no
 async def test_steering_that_overflows_at_a_shared_point_of_the_stream_is_a_400() -> None:
     """``post_block`` 1 and ``pre_attn`` 2 are one point of the stream: the worker sums
     them into one table row. Two terms of 3e38, one at each, were each finite and
-    accepted, and the row was inf (the request's hidden states, then NaN)."""
-    big = [3e38] * HIDDEN
+    accepted, and the row was inf (the request's hidden states, then NaN). The bound
+    is now 1e6 per point (shared.steering.SteeringBound): 6e5 at each is 1.2e6 there."""
+    big = [6e5] * HIDDEN
     steering = {
         "vectors": [
             {"hook": "post_block", "layers": {"1": big}},
@@ -197,13 +198,15 @@ async def test_steering_that_overflows_at_a_shared_point_of_the_stream_is_a_400(
 
 async def test_steering_beyond_a_float16_models_range_is_a_400() -> None:
     """On a float16 model the tables hold the steering in float16: 1e5 (finite in
-    float32) became inf there. The served dtype's range is the bound, for the summed
-    steering and for a clamp's bounds."""
+    float32) became inf there. Every point of the stream at once (9 in this 4-layer
+    model) stays within half of float16's range: 65504 / 18 = 3639 per point, for the
+    summed steering and for a clamp's bounds."""
     async with engine() as (client, seen, plugin):
         plugin.runtime.get().dtype = "float16"
+        assert plugin.runtime.get().bound.limit == 65504.0 / 18
         refused = [
             {"vectors": [{"hook": "post_block", "layers": {"1": [1e5] * HIDDEN}}]},
-            {"vectors": [{"hook": "post_block", "layers": {"1": [4e4] * HIDDEN}}] * 2},
+            {"vectors": [{"hook": "post_block", "layers": {"1": [2e3] * HIDDEN}}] * 2},
             {"vectors": [{"hook": "post_block", "layers": {"1": [1.0] * HIDDEN},
                           "op": "clamp", "value": 1e5}]},
         ]  # fmt: skip
@@ -214,8 +217,29 @@ async def test_steering_beyond_a_float16_models_range_is_a_400() -> None:
             err = error(r)
             assert err["param"] == "steering.vectors" and "float16" in err["message"], steering
         assert seen == []
-        fits = {"vectors": [{"hook": "post_block", "layers": {"1": [6e4] * HIDDEN}}]}
+        fits = {"vectors": [{"hook": "post_block", "layers": {"1": [3.6e3] * HIDDEN}}]}
         r = await client.post("/v1/chat/completions", json=chat(steering=fits), headers=AUTH)
+        assert r.status_code == 200, r.text
+
+
+async def test_steering_at_many_points_that_would_overflow_the_stream_is_a_400() -> None:
+    """Found from outside: scale 3e38 on unit-sized vectors at pre_attn and post_attn of
+    every layer was within float32 at each point, so it was accepted; the stream summed
+    to inf, and the NaN hidden states reached KV-cache blocks that the next requests,
+    other tenants' included, were given (their unsteered answers came back empty). Each
+    point now takes at most 1e6 per element, so all of them together stay finite."""
+    layers = {str(i): [1.0] * HIDDEN for i in range(LAYERS)}
+    attack = {"vectors": [{"hook": hook, "layers": layers, "scale": 3e38}
+                          for hook in ("pre_attn", "post_attn")]}  # fmt: skip
+    async with engine() as (client, seen, plugin):
+        r = await client.post("/v1/chat/completions", json=chat(steering=attack), headers=AUTH)
+        err = error(r)
+        assert err["param"] == "steering.vectors", err
+        assert "this float32 model takes at most 1e+06 per point" in err["message"], err
+        assert seen == []
+        for term in attack["vectors"]:
+            term["scale"] = 1e6  # the bound itself is served
+        r = await client.post("/v1/chat/completions", json=chat(steering=attack), headers=AUTH)
         assert r.status_code == 200, r.text
 
 

@@ -14,7 +14,9 @@ from steergate.shared.errors import InvalidField
 from steergate.shared.jsondepth import MAX_JSON_DEPTH, check_json_depth, json_too_deep
 from steergate.shared.steering import (
     FLOAT32_MAX,
+    STEER_ABS_MAX,
     ModelShape,
+    SteeringBound,
     check_sites_finite,
     parse_steering,
     parse_vector_body,
@@ -56,9 +58,31 @@ def test_a_summed_steering_that_overflows_float32_is_refused() -> None:
     big = np.full(8, 3e38, dtype=np.float32)
     with np.errstate(over="ignore"):
         total = big + big
-    with pytest.raises(InvalidField):
-        check_sites_finite({("post_block", 1): total})
-    check_sites_finite({("post_block", 1): big})
+    bound = SteeringBound("float32", 30)
+    for summed in (total, big, np.full(8, np.nan, dtype=np.float32)):
+        with pytest.raises(InvalidField):
+            check_sites_finite({("post_block", 1): summed}, bound)
+
+
+def test_the_bound_keeps_every_point_at_once_within_the_models_range() -> None:
+    """Found from outside: each point of the stream within float32 was not enough. 3e38
+    at 8 points of a 4-layer model summed to inf in the stream, and the NaN hidden
+    states reached KV-cache blocks that other tenants' requests were given next. Every
+    point at once now stays within half the dtype's range, and never past 1e6."""
+    assert STEER_ABS_MAX == 1e6
+    for dtype, layers in [("float32", 4), ("bfloat16", 30), ("float32", 400)]:
+        assert SteeringBound(dtype, layers).limit == STEER_ABS_MAX
+    f16 = SteeringBound("float16", 30)
+    assert f16.limit == 65504.0 / (2 * 61)  # 61 points of the stream
+    assert 61 * f16.limit <= 65504.0 / 2
+    bound = SteeringBound("float32", 4)
+    check_sites_finite({("post_block", 1): np.full(8, 1e6, dtype=np.float32)}, bound)
+    with pytest.raises(InvalidField, match="reaches 1.1e\\+06 in one element"):
+        check_sites_finite({("post_attn", 0): np.full(8, 1.1e6, dtype=np.float32)}, bound)
+    # post_block 1 and pre_attn 2 are one point: 6e5 each is 1.2e6 there
+    half = np.full(8, 6e5, dtype=np.float32)
+    with pytest.raises(InvalidField, match="same point as pre_attn layer 2"):
+        check_sites_finite({("post_block", 1): half, ("pre_attn", 2): half}, bound)
 
 
 @pytest.mark.parametrize(

@@ -151,7 +151,7 @@ def rewrite(doc: dict[str, Any], runtime: SteeringRuntime) -> Resolution:
         refuse_inexact(doc, steering.phase)
     resolution = resolve_turn(
         steering, conversation_id, runtime.registry, runtime.controller, expect,
-        runtime.max_clamps, runtime.dtype,
+        runtime.max_clamps, runtime.bound,
     )
     if resolution.applied:
         refuse_inexact(doc, resolution.phase)  # bridged/restored turns

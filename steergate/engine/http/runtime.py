@@ -16,7 +16,7 @@ from steergate.engine.registry import VectorRegistry
 from steergate.shared.clamp import DEFAULT_MAX_CLAMPS_PER_SITE
 from steergate.shared.errors import APIError
 from steergate.shared.settings import EngineSettings
-from steergate.shared.steering import HOOKS, ModelShape
+from steergate.shared.steering import HOOKS, ModelShape, SteeringBound
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,11 @@ class SteeringRuntime:
     #: The served model's dtype (a key of ``shared.steering.DTYPE_MAX``): the tables
     #: hold the steering in it, so a sum beyond its range is refused, not applied as inf.
     dtype: str = "float32"
+
+    @property
+    def bound(self) -> SteeringBound:
+        """How far a request may move this model's stream (``shared.steering``)."""
+        return SteeringBound(self.dtype, self.shape.num_layers)
 
     @property
     def epoch(self) -> str:
