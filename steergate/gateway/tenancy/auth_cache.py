@@ -29,10 +29,15 @@ class AuthCache:
     def __init__(self, ttl_s: float = 30.0) -> None:
         self.ttl_s = ttl_s
         self.generation = 0
+        #: Set while the invalidation subscription is known dead (it went silent): the
+        #: cache then neither answers nor stores, until the next subscribe clears it.
+        self.paused = False
         # key hash -> (KeyMatch | AdminKey, key_id, tenant_id ("" for admin keys), deadline)
         self._by_hash: dict[str, tuple[Any, str, str, float]] = {}
 
     def get(self, key_hash: str) -> Any:
+        if self.paused:
+            return None
         hit = self._by_hash.get(key_hash)
         if hit is None:
             return None
@@ -44,7 +49,7 @@ class AuthCache:
     def put(self, key_hash: str, value: Any, key_id: str, tenant_id: str, generation: int) -> bool:
         """Store the entry unless an invalidation arrived since ``generation`` was
         read (before the lookup that produced it). Returns whether it was stored."""
-        if generation != self.generation:
+        if generation != self.generation or self.paused:
             return False
         self._by_hash[key_hash] = (value, key_id, tenant_id, time.monotonic() + self.ttl_s)
         return True

@@ -5,7 +5,14 @@ keeps per tenant (``on_tenant_deleted``: its metric series). Every replica drops
 affected cache entries as the message arrives (well under 1 s), and clears its whole
 cache whenever its subscription (re)connects, because messages sent while it was away
 are lost. An expiry (a key's ``expires_at``, a rotated secret's grace end) is not an
-event: it is checked against the clock on every use of a cached entry."""
+event: it is checked against the clock on every use of a cached entry.
+
+A subscription can also die in silence (a NAT or firewall that drops an idle
+connection's packets without a reset, a partition of that one socket): nothing raises,
+nothing arrives, and a revoked key was served for the rest of its 30 s cache life
+(found from outside). So the listener PINGs its own subscription every
+:data:`HEARTBEAT_S`; when nothing at all has arrived for :data:`SILENCE_S` it clears
+the cache, stops caching until it has subscribed again, and reconnects."""
 
 from __future__ import annotations
 
@@ -24,6 +31,16 @@ log = logging.getLogger("steergate.gateway.invalidation")
 
 #: While the subscription stays lost, its warning is repeated at most this often.
 LOST_LOG_INTERVAL_S = 30.0
+#: The listener PINGs its subscription this often; every PONG proves it alive.
+HEARTBEAT_S = 0.2
+#: Nothing heard for this long (three PINGs unanswered): the subscription is dead. With
+#: the poll's 0.2 s, a revocation published after the silence began is applied within
+#: about a second (the cache is cleared), as the contract says.
+SILENCE_S = 0.7
+
+
+class SubscriptionSilent(Exception):
+    """No PONG nor message for SILENCE_S on a connection that raised nothing."""
 
 
 class Invalidations:
@@ -64,13 +81,23 @@ class Invalidations:
                 pubsub = self.redis.pubsub()
                 await pubsub.subscribe(keys.EVENTS_CHANNEL)
                 self.cache.clear()
+                heard = pinged = time.monotonic()
                 while not stop.is_set():
                     msg = await pubsub.get_message(timeout=0.2)
+                    now = time.monotonic()
+                    if msg:
+                        heard = now
+                    elif now - heard > SILENCE_S:
+                        raise SubscriptionSilent
+                    if now - pinged >= HEARTBEAT_S:
+                        await pubsub.ping()
+                        pinged = now
                     kind = msg.get("type") if msg else None
                     if kind == "subscribe":
                         # Redis delivers events only from here on; an entry cached from
                         # a read before this point may have missed its revocation.
                         self.cache.clear()
+                        self.cache.paused = False
                         if lost_since is not None:
                             log.warning(
                                 "auth invalidation subscription back after %.0f s",
@@ -84,7 +111,11 @@ class Invalidations:
                 raise
             except Exception as exc:  # transport failure: reconnect (clears on resubscribe)
                 # Entries stay usable meanwhile: no revocation can happen while Redis is
-                # unreachable, and with fail-open set the cached keys keep serving.
+                # unreachable, and with fail-open set the cached keys keep serving. Not
+                # after a silence: Redis may well be reachable, revoking, and unheard.
+                if isinstance(exc, SubscriptionSilent):
+                    self.cache.clear()
+                    self.cache.paused = True
                 # Retried every 0.25 s (revocations resume within a second of Redis's
                 # return), but said once, then every LOST_LOG_INTERVAL_S: it was four
                 # warnings a second for as long as Redis was down.
@@ -94,7 +125,8 @@ class Invalidations:
                     log.warning(
                         "auth invalidation subscription lost%s (%s); retrying",
                         down,
-                        type(exc).__name__,
+                        "silent: no reply to its PINGs" if isinstance(exc, SubscriptionSilent)
+                        else type(exc).__name__,
                     )
                     warned_at = now
                 lost_since = now if lost_since is None else lost_since
