@@ -260,3 +260,27 @@ def test_compare_choice_1_is_the_request_without_steering(
         assert both[2 + i].tokens == plain[i].tokens
         assert max_abs_diff(both[2 + i].logprobs, plain[i].logprobs) <= 1e-5
     assert both[0].tokens != both[2].tokens
+
+
+def test_compare_numbers_the_default_choices_past_every_prompts_steered_ones(
+    f32_engine: EngineProcess,
+) -> None:
+    """Found from outside: with two prompts the default half was shifted by ``n`` only,
+    so indices came back 0, 1, 1, 2 and a client could not tell the halves apart. vLLM
+    numbers a multi-prompt answer's choices prompt by prompt (``i * n + j``); the
+    default ones now follow all of them: steered 0..3, default 4..7 in the same order."""
+    adds = {("post_block", 1): unit_vector(111)}
+    prompts = [PROMPT, PROMPT[:-3]]
+    extra = {"n": 2, "temperature": 0.8, "seed": 99}
+    body = _body(f32_engine, adds, [], n_tokens=6, **extra)
+    body["prompt"] = prompts
+    steered = {c["index"]: c["text"] for c in _post(f32_engine, body).json()["choices"]}
+    plain_body = _body(f32_engine, {}, [], n_tokens=6, **extra)
+    plain_body["prompt"] = prompts
+    plain = {c["index"]: c["text"] for c in _post(f32_engine, plain_body).json()["choices"]}
+    body["steering"]["compare"] = True
+    both = {c["index"]: c["text"] for c in _post(f32_engine, body).json()["choices"]}
+    assert sorted(both) == list(range(8)), sorted(both)
+    assert {i: both[i] for i in range(4)} == steered
+    assert {i: both[4 + i] for i in range(4)} == plain
+    assert [both[i] for i in range(4)] != [both[4 + i] for i in range(4)]

@@ -9,13 +9,13 @@ same ``seed`` (one is drawn when the request has none). vLLM batches the two lik
 other pair of requests, so the unsteered one is exactly what the same request without
 steering gives.
 
-The answers are merged: the steered request's ``n`` choices keep indices ``0..n-1``,
-the unsteered ones become ``n..2n-1``; ``usage`` is the sum of both, so a gateway (or
-anyone) metering the response meters the tokens of both. In a stream the two
-requests' chunks are relayed as they come (their choice indices keep them apart), the
-two final usage chunks become one summed chunk, and one ``data: [DONE]`` ends it. If
-either request fails before its answer starts (a 4xx/5xx), that answer is sent and the
-other is cancelled.
+The answers are merged: the steered request's ``k`` choices (``n`` per prompt) keep
+indices ``0..k-1``, the unsteered ones become ``k..2k-1`` in the same order; ``usage``
+is the sum of both, so a gateway (or anyone) metering the response meters the tokens
+of both. In a stream the two requests' chunks are relayed as they come (their choice
+indices keep them apart), the two final usage chunks become one summed chunk, and one
+``data: [DONE]`` ends it. If either request fails before its answer starts (a
+4xx/5xx), that answer is sent and the other is cancelled.
 
 Why not the gateway: the gateway relays one upstream exchange per request (one lease,
 one engine, one stream meter); doing the fan-out here keeps every gateway path
@@ -65,8 +65,16 @@ def split(doc: dict[str, Any], path: str) -> dict[str, Any]:
 
 
 def num_choices(doc: dict[str, Any]) -> int:
+    """The choices one answer holds: ``n`` per prompt. A ``/v1/completions`` prompt that
+    is a list of texts or of token-id lists is that many prompts (vLLM numbers their
+    choices prompt by prompt); the default answer's are shifted past all of them. They
+    used to be shifted by ``n`` alone: two prompts gave indices 0, 1, 1, 2."""
     n = doc.get("n")
-    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+    n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+    prompt = doc.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return n * len(prompt)
+    return n
 
 
 class _Answer:
