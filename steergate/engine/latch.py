@@ -180,6 +180,22 @@ class LatchController:
         self._evict_to_caps(keep=conversation_id)
         return "replaced" if existed else "latched"
 
+    def undo_store(self, conversation_id: str, stored: Latch, before: Latch | None) -> None:
+        """Take back the :meth:`store` of ``stored``, whose turn vLLM refused: the
+        conversation holds ``before`` again (its earlier latch, or none) and ``stored``
+        is not counted as stored. A turn that is refused never changes a conversation's
+        steering. If another turn has latched the conversation since, its latch stands."""
+        entry = self._entries.get(conversation_id)
+        if entry is not None and entry.latch is stored:
+            self._remove(conversation_id)
+            self.latches_stored -= 1
+        elif entry is not None:
+            return  # a later turn's latch
+        if before is not None:
+            self._entries[conversation_id] = _Entry(before, before.nbytes, self._wall())
+            self._bytes += before.nbytes
+            self._evict_to_caps(keep=conversation_id)
+
     def use(self, conversation_id: str, digest_of: DigestLookup) -> tuple[LatchState, Latch | None]:
         """The latch that steers a turn without ``steering`` (``bridged``), refreshing its
         recency; ``dropped_stale`` (and removed) if a by-reference term's vector changed

@@ -9,7 +9,8 @@ stored the latch. Pure (numpy only); the HTTP layer calls :func:`resolve_turn`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import functools
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,6 +49,9 @@ class Resolution:
     phase: str = "all"
     sites: dict[Site, np.ndarray] = field(default_factory=dict)
     clamps: tuple[Resolved, ...] = ()  # in the order they apply (steergate/shared/clamp.py)
+    #: Puts the conversation's latch back as it was before this turn changed it, for a
+    #: turn that vLLM then refuses (``undo``); None when the turn changed nothing.
+    undo: Callable[[], None] | None = field(default=None, compare=False)
 
     @property
     def applied(self) -> bool:
@@ -124,9 +128,13 @@ def resolve_turn(
     # each term is finite; their sum at a point of the stream, or a named term's, may not be
     check_in_range(sites, clamps, bound)
     state: LatchState = "none"
+    undo = None
     if steering.latch and conversation_id is not None:
-        state = controller.store(conversation_id, Latch(steering.phase, value_sites, refs, items))
-    return Resolution(state, steering.phase, sites, clamps)
+        before = controller.get(conversation_id)
+        latch = Latch(steering.phase, value_sites, refs, items)
+        state = controller.store(conversation_id, latch)
+        undo = functools.partial(controller.undo_store, conversation_id, latch, before)
+    return Resolution(state, steering.phase, sites, clamps, undo)
 
 
 def resolve_clamps(items: Iterable[ClampItem], registry: VectorRegistry) -> tuple[Resolved, ...]:

@@ -250,3 +250,30 @@ def test_same_sequence_gives_same_state(ops, max_count: int, max_sites: int) -> 
     second = run(ops, max_count, max_sites * SITE_BYTES)
     assert first.list() == second.list()
     assert first.status() == second.status()
+
+
+def test_undo_store_puts_back_what_the_refused_turn_replaced_and_no_more() -> None:
+    """A turn vLLM refuses takes its latch back (engine/http/rewrite.py): the earlier
+    latch returns, or none; the refused one is not counted as stored; a later turn's
+    latch, stored while the refused one ran, stands; and an oversize refusal (which had
+    removed the earlier latch) gives it back too."""
+    c = controller()
+    old, new = value_latch(1), value_latch(2, fill=2.0)
+    c.store("a", old)
+    c.store("a", new)
+    c.undo_store("a", new, old)
+    assert c.get("a") is old and c.nbytes == SITE_BYTES
+    assert c.status()["latches_stored"] == 1
+    fresh = value_latch(1, fill=3.0)
+    c.store("b", fresh)
+    c.undo_store("b", fresh, None)
+    assert c.get("b") is None and c.count == 1
+    later = value_latch(1, fill=4.0)
+    c.store("a", new)
+    c.store("a", later)  # a concurrent turn latched after the refused one
+    c.undo_store("a", new, old)
+    assert c.get("a") is later
+    huge = value_latch(11)  # over the 10-site byte cap: refused, and "a"'s latch removed
+    assert c.store("a", huge) == "refused_oversize" and c.get("a") is None
+    c.undo_store("a", huge, later)
+    assert c.get("a") is later

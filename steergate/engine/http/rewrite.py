@@ -292,8 +292,13 @@ def _with_latch(send: Send, resolution: Resolution) -> Send:
     chunks: list[bytes] = []
 
     async def _send(message: Message) -> None:
-        nonlocal held_start
+        nonlocal held_start, state
         if message["type"] == "http.response.start":
+            if message["status"] >= 400 and resolution.undo is not None:
+                # vLLM refused the turn (a bad field it checks itself): the latch it
+                # stored is taken back, and the header says the turn changed nothing.
+                resolution.undo()
+                state = b"none"
             headers: RawHeaders = replace_header(
                 list(message.get("headers", [])), LATCH_HEADER, state
             )

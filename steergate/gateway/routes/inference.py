@@ -285,9 +285,8 @@ async def _unary(
     ok = 200 <= r.status < 300
     body = scrub(r.body, tenant_id, error=not ok)
     engine_state = turn.state_override or r.headers.get(LATCH_HEADER)
-    # Whatever the status: the engine stores a turn's latch before vLLM checks the
-    # rest of the request, and a latch vLLM's refusal left stored is said so in the
-    # header (docs/latches.md). Recorded, it is restored like any other.
+    # Whatever the status: the header says what the engine kept (on vLLM's refusal it
+    # takes the turn's latch back and says "none", docs/latches.md).
     await turn.keep_latch(engine_state)
     state = _latch_state(adm, engine_state)
     # The engine's refusal generated nothing: refunded, as a refused stream is. An answer

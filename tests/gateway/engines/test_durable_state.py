@@ -115,26 +115,36 @@ def test_engine_restart_loses_nothing_a_tenant_stored(
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_latch_left_stored_by_a_turn_vllm_refused_is_recorded_and_restored(
+def test_a_turn_vllm_refuses_changes_no_latch(
     gateway: ServerThread, fake_engine: FakeEngine, redis_url: str, stream: bool
 ) -> None:
-    """The engine stores a turn's latch before vLLM checks the rest (here max_tokens 0)
-    and says so on vLLM's error. The gateway recorded a latch's digest and spec on 2xx
-    only: the ledger counted the latch, listed it and bridged it, but after the engine
-    restarted the conversation was unsteered, and a stream's refusal said 'none'."""
+    """The engine stores a turn's latch before vLLM checks the rest of the request (here
+    max_tokens 0). A refused turn used to leave it stored and say ``latched``: found from
+    outside, a 400 replaced the conversation's steering and counted against the quota.
+    Now the engine takes it back when vLLM's answer is an error and says ``none``: the
+    conversation keeps its earlier latch (bridged, and restored after a restart, as it
+    was), and a conversation that had none still has none."""
     key = make_tenant(redis_url, "acme")
-    body = {"model": "stub", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}
-    r = httpx.post(
-        gateway.url + CHAT,
-        json={**body, "conversation_id": "c1", "steering": inline(0.5), "stream": stream},
-        headers={"Authorization": f"Bearer {key}"},
-        timeout=30,
-    )
-    assert r.status_code == 400 and r.headers["x-steering-latch"] == "latched", r.text
-    steered = text(chat(gateway, key, steering=inline(0.5, latch=False)))
+    before = text(chat(gateway, key, conversation_id="c1", steering=inline(0.1)))
+    refused_body = {"model": "stub", "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 0, "stream": stream}  # fmt: skip
+    for conversation in ("c1", "c2"):
+        r = httpx.post(
+            gateway.url + CHAT,
+            json={**refused_body, "conversation_id": conversation, "steering": inline(0.5)},
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=30,
+        )
+        assert r.status_code == 400 and r.headers["x-steering-latch"] == "none", r.text
+    r = chat(gateway, key, conversation_id="c1")
+    assert r.headers["x-steering-latch"] == "bridged" and text(r) == before
+    r = chat(gateway, key, conversation_id="c2")
+    assert r.headers["x-steering-latch"] == "none" and text(r) == "echo"
+    assert set(fake_engine.state.latches) == {"acme~c1"}
+    assert redis_client(redis_url).zcard(keys.latches("acme")) == 1
     fake_engine.state.restart()
     r = chat(gateway, key, conversation_id="c1")
-    assert r.headers["x-steering-latch"] == "restored" and text(r) == steered
+    assert r.headers["x-steering-latch"] == "restored" and text(r) == before
 
 
 def test_engine_cap_evictions_cost_a_restore_never_a_latch(
