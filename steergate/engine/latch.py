@@ -28,6 +28,7 @@ import numpy as np
 from steergate.shared.clamp import ClampItem
 from steergate.shared.engine_api import LatchState
 from steergate.shared.latch_spec import LatchSpec, latch_digest
+from steergate.shared.log_limits import RateLimitedWarning
 
 log = logging.getLogger("steergate.latch")
 
@@ -97,30 +98,6 @@ class _Entry:
     last_used: float  # wall time, display only
 
 
-class RateLimitedWarning:
-    """Logs at most once per ``interval`` seconds and reports how many were suppressed,
-    so a client hammering oversize latches cannot flood the log."""
-
-    def __init__(self, interval: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
-        self._interval = interval
-        self._clock = clock
-        self._next_at = float("-inf")
-        self.suppressed = 0
-
-    def warn(self, message: str, *args: Any) -> bool:
-        now = self._clock()
-        if now < self._next_at:
-            self.suppressed += 1
-            return False
-        if self.suppressed:
-            message += " (%d similar warnings suppressed)"
-            args = (*args, self.suppressed)
-        log.warning(message, *args)
-        self.suppressed = 0
-        self._next_at = now + self._interval
-        return True
-
-
 DigestLookup = Callable[[str], "str | None"]
 """Current digest of a named vector, or None when it no longer exists."""
 
@@ -145,7 +122,7 @@ class LatchController:
         self.max_bytes = max_bytes
         self.epoch = epoch
         self._wall = wall_clock
-        self._warning = warning or RateLimitedWarning()
+        self._warning = warning or RateLimitedWarning(logger=log)
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # oldest first
         self._bytes = 0
         self.evictions = 0

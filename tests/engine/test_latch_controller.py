@@ -8,7 +8,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from steergate.engine.latch import Latch, LatchController, RateLimitedWarning, RefTerm
+from steergate.engine.latch import Latch, LatchController, RefTerm
+from steergate.shared.log_limits import RateLimitedWarning
 
 HIDDEN = 4
 SITE_BYTES = 4 * HIDDEN
@@ -142,9 +143,10 @@ class _Records(logging.Handler):
 
 def test_oversize_warning_is_rate_limited_with_suppressed_count() -> None:
     now = [0.0]
-    c = LatchController(3, SITE_BYTES, "e", warning=RateLimitedWarning(10.0, clock=lambda: now[0]))
-    records = _Records()
     logger = logging.getLogger("steergate.latch")
+    warning = RateLimitedWarning(10.0, clock=lambda: now[0], logger=logger)
+    c = LatchController(3, SITE_BYTES, "e", warning=warning)
+    records = _Records()
     logger.addHandler(records)
     try:
         for i in range(5):

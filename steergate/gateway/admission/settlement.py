@@ -49,6 +49,7 @@ from steergate.gateway.store.scripts import (
 )
 from steergate.gateway.tracing import span
 from steergate.shared.engine_api import DROP_STATES, KEEP_STATES
+from steergate.shared.log_limits import RateLimitedWarning
 
 log = logging.getLogger("steergate.gateway.accounting")
 
@@ -281,6 +282,9 @@ class Settler:
         self.max_batch = max_batch
         self.max_pending = max_pending
         self.max_backoff_s = max_backoff_s
+        #: Once per 10 s, with a count: a batch retried every backoff step for as long
+        #: as Redis is down was a line each time.
+        self._failing = RateLimitedWarning(interval=10.0, logger=log)
         # A deque and one future to wake the flusher: asyncio.Queue + wait_for would
         # create a task per wait, on every request at low concurrency.
         self._pending: collections.deque[_Item] = collections.deque()
@@ -420,7 +424,9 @@ class Settler:
             with span("settlement", requests=len(batch)):
                 results = await self._settle([item.outcome for item in batch])
         except Exception as exc:  # noqa: BLE001 - Redis down, hung, or restarting
-            log.warning("settlement of %d failed (%s); retrying", len(batch), type(exc).__name__)
+            self._failing.warn(
+                "settlement of %d failed (%s); retrying", len(batch), type(exc).__name__
+            )
             results = [exc] * len(batch)
         failed = []
         for item, r in zip(batch, results, strict=True):
