@@ -12,6 +12,7 @@ and deleted as the answer is built, and deleted on any other ending.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Mapping
@@ -87,6 +88,23 @@ class CaptureCall:
     def discard(self) -> None:
         _RUNNING.discard(self.cid)
         capture_io.discard(self.cid)
+        _discard_again_later(self.cid)
+
+
+#: A worker may still write a step's rows after its request was discarded (a client left
+#: a stream mid-step, and the abort reaches the worker a step later): the request's
+#: files are removed again this long after. Found from outside: such a file stayed in
+#: /dev/shm until a later capture's stale sweep (10 minutes), and past the engine's end.
+LATE_WRITES_S = (1.0, 10.0)
+
+
+def _discard_again_later(cid: str) -> None:
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # no loop (a unit test's direct call): nothing runs later
+        return
+    for delay in LATE_WRITES_S:
+        loop.call_later(delay, capture_io.discard, cid)
 
 
 def take(
