@@ -25,7 +25,7 @@ from steergate.shared.clamp import (
     unit,
     value_resolved,
 )
-from steergate.shared.engine_api import LatchState
+from steergate.shared.engine_api import EXPECT_FIELD, LatchState
 from steergate.shared.errors import APIError, InvalidField
 from steergate.shared.latch_spec import LatchSpec, accumulate, clamp_items, sum_inline
 from steergate.shared.steering import (
@@ -36,6 +36,8 @@ from steergate.shared.steering import (
     check_sites_finite,
 )
 
+#: Where a restored latch comes from: the gateway's expectations (shared.engine_api).
+RESTORE_FIELD = f"{EXPECT_FIELD}.restore"
 #: A float32 model of one layer: the bound where the caller names none (tests).
 FLOAT32_BOUND = SteeringBound()
 
@@ -196,7 +198,11 @@ def _restore(
     clamps = resolve_clamps(latch.clamps, registry)
     check_per_point(clamps, max_clamps)
     sites = combine(latch.value_sites, latch.refs, registry)
-    check_in_range(sites, clamps, bound)  # the gateway's copy is input too
+    try:
+        check_in_range(sites, clamps, bound)  # the gateway's copy is input too
+    except InvalidField as exc:  # named as what carried it
+        why = exc.message.removeprefix("'steering.vectors': ")
+        raise InvalidField(RESTORE_FIELD, f"'{RESTORE_FIELD}': {why}") from exc
     controller.store(conversation_id, latch)
     return Resolution("restored", latch.phase, sites, clamps)
 

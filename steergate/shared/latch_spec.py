@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -110,6 +111,8 @@ def decode_spec(text: str | bytes | Any) -> LatchSpec:
                 raise SpecError("non-finite site")
             sites[(hook, layer)] = vec
         refs = tuple((str(n), str(d), float(s)) for n, d, s in doc["refs"])
+        if not all(math.isfinite(scale) for _, _, scale in refs):
+            raise SpecError("non-finite scale")
         clamps = decode_items(doc.get("clamps", ()), HOOKS)
     except SpecError:
         raise

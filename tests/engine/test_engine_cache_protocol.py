@@ -215,3 +215,27 @@ def test_latch_digest_is_the_spec_digest() -> None:
     assert latch.digest == spec.digest
     assert decode_spec(spec.encode()).digest == spec.digest
     assert LatchSpec("all", sites, spec.refs).digest != spec.digest  # phase is identity
+
+
+async def test_a_bad_restore_or_expectation_is_refused_naming_the_field_it_came_in(
+    env,  # noqa: F811
+) -> None:
+    """Found from outside (the gateway's own fields, sent with the engine token): a
+    restore whose reference scale was inf, or whose sites passed the steering bound, was
+    a 400 naming ``steering.vectors``, a field the request did not have; ``vectors`` of
+    ``[]`` or ``0`` passed as "none". Each is a 400 naming what carried it, and nothing
+    is stored or served."""
+    client, seen, plugin = env
+    digest = await put_vector(client, "t~calm", 0.25)
+    inf_scale = LatchSpec("all", {}, (("t~calm", digest, float("inf")),)).encode()
+    huge = np.full(HIDDEN, 2e6, dtype=np.float32)
+    past_bound = LatchSpec("all", {("post_block", 1): huge}, ()).encode()
+    for spec, says in ((inf_scale, "non-finite scale"), (past_bound, "at most 1e+06")):
+        r = await post(client, conversation_id="t~c", **{EXPECT_FIELD: {"restore": spec}})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == f"{EXPECT_FIELD}.restore" and says in err["message"], err
+    for vectors in ([], 0):
+        r = await post(client, conversation_id="t~c", **{EXPECT_FIELD: {"vectors": vectors}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == f"{EXPECT_FIELD}.vectors"
+    assert plugin.runtime.get().controller.get("t~c") is None and seen == []

@@ -168,7 +168,8 @@ def parse_expect(value: Any, shape: ModelShape) -> Expect | None:
     param = EXPECT_FIELD
     if not isinstance(value, dict) or set(value) - {"vectors", "latch", "restore"}:
         raise InvalidField(param, f"'{param}' must be an object of vectors, latch, restore")
-    vectors = value.get("vectors") or {}
+    vectors = value.get("vectors")
+    vectors = {} if vectors is None else vectors  # [] or 0 is not "no vectors"
     if not isinstance(vectors, dict) or not all(
         is_engine_vector_name(k) and isinstance(v, str) for k, v in vectors.items()
     ):
