@@ -24,6 +24,14 @@ def header(headers: RawHeaders, name: bytes) -> bytes | None:
     return None
 
 
+def sole_header(headers: RawHeaders, name: bytes) -> bytes | None:
+    """The value of a header that may appear once (``Authorization``, RFC 9110 5.3);
+    None when it is absent *or repeated*: a proxy in front that reads the last copy and
+    a server that reads the first would otherwise authorise different credentials."""
+    values = [value for key, value in headers if key.lower() == name]
+    return values[0] if len(values) == 1 else None
+
+
 def replace_header(headers: RawHeaders, name: bytes, value: bytes | None) -> RawHeaders:
     """Drop every ``name`` header, then append ``value`` unless it is None."""
     out = [(k, v) for k, v in headers if k.lower() != name]

@@ -127,7 +127,8 @@ _CODES = (
        "(`param` is `layers`; the message names the layer): their difference is zero and has "
        "no direction to steer along; nothing is stored"),
     _e("invalid_api_key", 401, _N, _BOTH, "missing, unknown, malformed or revoked key (on the "
-       "engine: missing or wrong engine token)"),
+       "engine: missing or wrong engine token); also `Authorization` sent more than once, "
+       "whatever the copies hold"),
     _e("expired_api_key", 401, _N, _GW,
        "the key's `expires_at` has passed (refused on every replica within 1 s of it)"),
     _e("insufficient_scope", 403, _N, _GW,

@@ -131,6 +131,17 @@ async def test_every_path_needs_the_engine_token(env, path: str) -> None:
     assert (await client.get(path, headers={"Authorization": f"bearer {TOKEN}"})).status_code == 200
 
 
+async def test_a_repeated_authorization_header_is_401_whatever_the_copies_hold(env) -> None:
+    """Found from outside: the first of two Authorization headers won (valid then wrong
+    was 200), while a proxy in front may read the last. A repeated one is no token."""
+    client, seen, _ = env
+    for pair in ((TOKEN, TOKEN), (TOKEN, "wrong"), ("wrong", TOKEN)):
+        headers = [("Authorization", f"Bearer {pair[0]}"), ("Authorization", f"Bearer {pair[1]}")]
+        r = await client.post("/v1/chat/completions", json=chat(), headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", pair
+    assert seen == []
+
+
 async def test_completion_without_token_is_401_and_never_reaches_vllm(env) -> None:
     client, seen, _ = env
     r = await client.post("/v1/chat/completions", json=chat())

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hmac
 
-from steergate.shared.asgi import ASGIApp, Receive, Scope, Send, header, send_error
+from steergate.shared.asgi import ASGIApp, Receive, Scope, Send, send_error, sole_header
 from steergate.shared.errors import APIError
 
 
@@ -22,7 +22,7 @@ class EngineTokenMiddleware:
         if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
-        if self._authorized(header(scope.get("headers", []), b"authorization")):
+        if self._authorized(sole_header(scope.get("headers", []), b"authorization")):
             await self.app(scope, receive, send)
             return
         if scope["type"] == "websocket":

@@ -21,6 +21,7 @@ from fastapi import Depends, Request
 from steergate.gateway.tenancy.api_keys import same_secret
 from steergate.gateway.tenancy.records import BOOTSTRAP_ADMIN, AdminKey, ApiKey, Tenant
 from steergate.gateway.tracing import span
+from steergate.shared.asgi import sole_header
 from steergate.shared.errors import APIError
 
 #: (path prefix, scope), first match wins; anything else is ``inference``.
@@ -42,7 +43,10 @@ def route_scope(path: str) -> str:
 
 
 def _bearer(request: Request) -> str | None:
-    value = request.headers.get("authorization", "")
+    """The bearer token of the one Authorization header (none when it is repeated:
+    ``shared.asgi.sole_header``)."""
+    raw = sole_header(request.scope["headers"], b"authorization")
+    value = raw.decode("latin-1") if raw is not None else ""
     scheme, _, token = value.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         return None
