@@ -142,6 +142,32 @@ async def test_a_repeated_authorization_header_is_401_whatever_the_copies_hold(e
     assert seen == []
 
 
+async def test_a_vector_body_past_what_the_model_can_hold_is_413_unread(env) -> None:
+    """Found from outside: a 60 MB vector PUT was read whole and parsed on the event
+    loop (every other request stalled 2 s) before its 400. A body past every layer once
+    (``max_vector_body``) is refused as soon as it passes that, declared or streamed."""
+    from steergate.engine.http.routes import max_vector_body
+    from steergate.shared.steering import ModelShape
+
+    client, _, plugin = env
+    limit = max_vector_body(ModelShape(HIDDEN, LAYERS))
+    big = b'{"hook": "post_block", "layers": {"1": [' + b"0.5, " * limit + b"0.5]}}"
+
+    async def streamed():  # no content-length: chunked
+        for i in range(0, len(big), 65_536):
+            yield big[i:i + 65_536]
+
+    for content in (big, streamed()):
+        r = await client.put("/v1/steering/vectors/a~big", content=content,
+                             headers={**AUTH, "content-type": "application/json"})  # fmt: skip
+        assert r.status_code == 413, r.text
+        assert r.json()["error"]["code"] == "request_too_large"
+    assert plugin.runtime.get().registry.get("a~big") is None
+    full = {"hook": "post_block", "layers": {str(i): [0.123456789] * HIDDEN for i in range(LAYERS)}}
+    r = await client.put("/v1/steering/vectors/a~big", json=full, headers=AUTH)
+    assert r.status_code == 201, r.text
+
+
 async def test_completion_without_token_is_401_and_never_reaches_vllm(env) -> None:
     client, seen, _ = env
     r = await client.post("/v1/chat/completions", json=chat())

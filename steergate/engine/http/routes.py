@@ -20,7 +20,7 @@ from steergate.shared.codecs import CodecError
 from steergate.shared.errors import APIError, InvalidField, render
 from steergate.shared.gguf import decode_gguf_off_loop
 from steergate.shared.scoping import is_engine_conversation_id, is_engine_vector_name
-from steergate.shared.steering import check_vectors, parse_vector_body
+from steergate.shared.steering import ModelShape, check_vectors, parse_vector_body
 
 Handler = Callable[..., Awaitable[Response]]
 
@@ -89,7 +89,7 @@ def build_router(ref: RuntimeRef) -> APIRouter:
     async def put_vector(name: str, request: Request) -> Response:
         runtime = ref.get()
         name = _vector_name(name)
-        raw = await request.body()
+        raw = await _bounded_body(request, max_vector_body(runtime.shape))
         if _is_octet_stream(request):
             hook, layers, description = "post_block", await _gguf_layers(raw), None
             check_vectors(layers, runtime.shape, "direction")
@@ -106,6 +106,37 @@ def build_router(ref: RuntimeRef) -> APIRouter:
         return Response(status_code=204)
 
     return router
+
+
+def max_vector_body(shape: ModelShape) -> int:
+    """The largest vector body worth reading for this model: every layer once, at 32
+    bytes a number (JSON's longest float32 spellings; the gateway sends base64, 5.4),
+    plus 64 KiB of the rest (hook, description, GGUF header). Found from outside: a 60 MB
+    body was read and parsed on the event loop, stalling every request for 2 s."""
+    return 32 * shape.hidden_size * shape.num_layers + 65_536
+
+
+async def _bounded_body(request: Request, limit: int) -> bytes:
+    """The body, or 413 ``request_too_large`` as soon as it passes ``limit`` (declared
+    or read): never read whole first."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(
+        "request_too_large",
+        f"a vector body for this model is at most {limit} bytes (every layer once)",
+        param="body",
+    )
 
 
 def _vector_name(name: str) -> str:
