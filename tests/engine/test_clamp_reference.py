@@ -98,7 +98,9 @@ def test_mixed_batch_of_adds_clamps_ablations_and_unsteered_requests(
     ]
     alone = [_run(f32_engine, a, c, n=n) for a, c in cases]
     bodies = [_body(f32_engine, a, c, n_tokens=n) for a, c in cases]
-    for _attempt in range(3):
+    # Up to 6 tries: on a loaded machine (CI beside other work) the four requests may
+    # reach the scheduler steps apart, and this test is about a batch they share.
+    for _attempt in range(6):
         before = iteration_buckets(f32_engine)
         batched = send_together(f32_engine, bodies)
         after = iteration_buckets_after(f32_engine, before, n)
