@@ -34,6 +34,8 @@ V1_RUNNER_ATTRS = (
     "input_batch.num_reqs",
     "input_batch.num_computed_tokens_cpu",
     "input_batch.num_prompt_tokens",
+    "input_batch.generators",  # engine.worker.cpu_seeds
+    "discard_request_mask.np",  # engine.worker.cpu_seeds
     "query_start_loc.np",
     "requests",
     "max_num_reqs",
@@ -119,7 +121,12 @@ def v1_problems() -> list[str]:
     return problems + override_problems(
         CPUModelRunner, runner,
         ("_prepare_inputs", "_on_request_state_removed", "_update_states", "execute_model"),
-    )
+    ) + [  # engine.worker.cpu_seeds: the seeded-sampling rewind on the CPU runner
+        *method_problems(CPUModelRunner, "_sample", ("self", "logits", "spec_decode_metadata")),
+        *method_problems(CPUModelRunner, "_bookkeeping_sync"),
+        *call_problems(CPUModelRunner, "sample_tokens", "_sample"),
+        *call_problems(CPUModelRunner, "sample_tokens", "_bookkeeping_sync"),
+    ]
 
 
 def v2_problems() -> list[str] | None:

@@ -8,6 +8,9 @@ only ``load_model``, so that one is patched on both classes):
   seen steered requests and fill the per-token slot index;
 * ``_on_request_state_removed``: vLLM's hook for finished requests; release slots.
 
+On ``CPUModelRunner`` also ``_sample`` and ``_bookkeeping_sync``, for a vLLM bug that
+killed the engine on seeded sampling (:mod:`engine.worker.cpu_seeds`).
+
 :func:`attach` (tables + layer wrapping + the start-up checks that need a built
 runner) and :func:`payload_of` are shared with :mod:`engine.worker.runner_v2`.
 Everything else (tables, slots, phases) lives in :mod:`engine.worker.tables`; what
@@ -24,7 +27,7 @@ from typing import Any
 from steergate.engine import capture_io
 from steergate.engine.payload import XARGS_KEY, Payload, decode_payload
 from steergate.engine.worker import capture as worker_capture
-from steergate.engine.worker import contract, conventions
+from steergate.engine.worker import contract, conventions, cpu_seeds
 from steergate.engine.worker.layers import find_decoder_layers, wrap_layers
 from steergate.engine.worker.tables import SteeringTables, StepRequest
 from steergate.shared.settings import EngineSettings
@@ -43,6 +46,7 @@ def install() -> None:
         from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
         classes.append(CPUModelRunner)
+        cpu_seeds.install(CPUModelRunner)  # a vLLM bug that killed the engine
     except ImportError:  # a GPU build without the CPU runner
         pass
     for cls in classes:
