@@ -139,8 +139,9 @@ def fake_v1_runner(**parallel: Any) -> SimpleNamespace:
                                      architectures=["LlamaForCausalLM"],
                                      architecture="LlamaForCausalLM"),
         input_batch=SimpleNamespace(req_ids=[], num_reqs=0, num_computed_tokens_cpu=[],
-                                    num_prompt_tokens=[]),
+                                    num_prompt_tokens=[], generators={}),
         query_start_loc=SimpleNamespace(np=[0]),
+        discard_request_mask=SimpleNamespace(np=[]),
         requests={}, max_num_reqs=4, max_num_tokens=32, device=torch.device("cpu"),
     )
 
@@ -182,6 +183,8 @@ def test_prefill_context_parallelism_refuses_to_start() -> None:
 def test_a_missing_instance_attribute_refuses_to_start() -> None:
     r = fake_v1_runner()
     del r.input_batch.num_prompt_tokens
-    with pytest.raises(ContractError, match="has no input_batch.num_prompt_tokens"):
+    del r.discard_request_mask  # what engine.worker.cpu_seeds reads
+    with pytest.raises(ContractError, match="has no input_batch.num_prompt_tokens") as exc:
         runner.attach(r, contract.V1_RUNNER_ATTRS)
+    assert "has no discard_request_mask.np" in str(exc.value)
     assert not hasattr(r, "_steergate")
