@@ -380,9 +380,12 @@ async def _stream(
         seen["done"] = True
         await cm.__aexit__(None, None, None)
         # The engine's latch decision arrived with the headers, before any body, so it
-        # holds even if the stream later broke or the client left (status 0).
+        # holds even if the stream later broke or the client left. A client that left
+        # is counted as 499, like one that left before the first byte: it was counted
+        # in no response class at all (found from outside).
         tokens, prompt = meter.split(lambda: prompt_estimate(content))
-        call.settle(seen["status"], tokens, engine_state, prep.steering is not None, prompt)
+        status = seen["status"] or CLIENT_CLOSED
+        call.settle(status, tokens, engine_state, prep.steering is not None, prompt)
 
     async def relay() -> AsyncIterator[bytes]:
         try:
