@@ -198,29 +198,28 @@ def _restore(
     clamps = resolve_clamps(latch.clamps, registry)
     check_per_point(clamps, max_clamps)
     sites = combine(latch.value_sites, latch.refs, registry)
-    try:
-        check_in_range(sites, clamps, bound)  # the gateway's copy is input too
-    except InvalidField as exc:  # named as what carried it
-        why = exc.message.removeprefix("'steering.vectors': ")
-        raise InvalidField(RESTORE_FIELD, f"'{RESTORE_FIELD}': {why}") from exc
+    check_in_range(sites, clamps, bound, param=RESTORE_FIELD)  # the gateway's copy is input too
     controller.store(conversation_id, latch)
     return Resolution("restored", latch.phase, sites, clamps)
 
 
 def check_in_range(
-    sites: Mapping[Site, np.ndarray], clamps: Iterable[Resolved], bound: SteeringBound
+    sites: Mapping[Site, np.ndarray],
+    clamps: Iterable[Resolved],
+    bound: SteeringBound,
+    param: str = "steering.vectors",
 ) -> None:
     """What a turn applies stays within ``bound``: the summed steering at each point of
     the stream, and each clamp's bounds (a clamp moves the projection to a bound: one of
-    1e5 is inf in float16)."""
-    check_sites_finite(sites, bound)
+    1e5 is inf in float16). ``param`` names the field that carried them."""
+    check_sites_finite(sites, bound, param)
     limit = bound.limit
     for c in clamps:
         for value in (c.bounds.lo, c.bounds.hi):
             if value is not None and abs(value) > limit:
                 raise InvalidField(
-                    "steering.vectors",
-                    f"'steering.vectors': a clamp bound of {value:.7g} is beyond {limit:.4g}, "
+                    param,
+                    f"'{param}': a clamp bound of {value:.7g} is beyond {limit:.4g}, "
                     f"the most this {bound.dtype} model takes (more overflows it)",
                 )
 

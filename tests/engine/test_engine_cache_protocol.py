@@ -230,11 +230,18 @@ async def test_a_bad_restore_or_expectation_is_refused_naming_the_field_it_came_
     inf_scale = LatchSpec("all", {}, (("t~calm", digest, float("inf")),)).encode()
     huge = np.full(HIDDEN, 2e6, dtype=np.float32)
     past_bound = LatchSpec("all", {("post_block", 1): huge}, ()).encode()
-    for spec, says in ((inf_scale, "non-finite scale"), (past_bound, "at most 1e+06")):
+    clamp_past_bound = _clamp_spec(Bounds(0.0, 2e6), _UNIT)
+    for spec, says in (
+        (inf_scale, "is not a latch spec: non-finite scale"),
+        (past_bound, "at most 1e+06"),
+        (clamp_past_bound, "a clamp bound of 2000000 is beyond 1e+06"),
+    ):
         r = await post(client, conversation_id="t~c", **{EXPECT_FIELD: {"restore": spec}})
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["param"] == f"{EXPECT_FIELD}.restore" and says in err["message"], err
+        assert err["message"].startswith(f"'{EXPECT_FIELD}.restore'"), err
+        assert "steering.vectors" not in err["message"], err
     for vectors in ([], 0):
         r = await post(client, conversation_id="t~c", **{EXPECT_FIELD: {"vectors": vectors}})
         assert r.status_code == 400 and r.json()["error"]["param"] == f"{EXPECT_FIELD}.vectors"

@@ -86,9 +86,14 @@ class CaptureCall:
         return capture_answer(self.spec, sites)
 
     def discard(self) -> None:
+        """Remove the workers' files; a request still running may have one more step's
+        rows written after this, so those are removed again later. One whose answer
+        collected them has no worker writing: nothing is scheduled."""
+        running = self.cid in _RUNNING
         _RUNNING.discard(self.cid)
         capture_io.discard(self.cid)
-        _discard_again_later(self.cid)
+        if running:
+            _discard_again_later(self.cid)
 
 
 #: A worker may still write a step's rows after its request was discarded (a client left

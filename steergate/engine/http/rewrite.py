@@ -182,7 +182,9 @@ def parse_expect(value: Any, shape: ModelShape) -> Expect | None:
         try:
             restore = decode_spec(value["restore"])
         except SpecError as exc:
-            raise InvalidField(f"{param}.restore", f"'{param}.restore' {exc}") from exc
+            raise InvalidField(
+                f"{param}.restore", f"'{param}.restore' is not a latch spec: {exc}"
+            ) from exc
         clamp_sites = [(site, vec) for c in restore.clamps for site, vec in c.sites.items()]
         for (_hook, layer), vec in [*restore.sites.items(), *clamp_sites]:
             if not 0 <= layer < shape.num_layers or vec.shape != (shape.hidden_size,):
