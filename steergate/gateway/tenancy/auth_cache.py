@@ -30,7 +30,7 @@ class AuthCache:
         self.ttl_s = ttl_s
         self.generation = 0
         #: Set while the invalidation subscription is known dead (it went silent): the
-        #: cache then neither answers nor stores, until the next subscribe clears it.
+        #: cache then neither answers nor stores, until the next subscribe resumes it.
         self.paused = False
         # key hash -> (KeyMatch | AdminKey, key_id, tenant_id ("" for admin keys), deadline)
         self._by_hash: dict[str, tuple[Any, str, str, float]] = {}
@@ -67,6 +67,18 @@ class AuthCache:
     def clear(self) -> None:
         self.generation += 1
         self._by_hash.clear()
+
+    def pause(self) -> None:
+        """The invalidation subscription is known dead: forget every entry and cache
+        nothing until :meth:`resume` (a revocation may be happening unheard)."""
+        self.clear()
+        self.paused = True
+
+    def resume(self) -> None:
+        """Subscribed again: events arrive from here on, so an entry cached from an
+        earlier read may have missed its revocation; start empty."""
+        self.clear()
+        self.paused = False
 
     def __len__(self) -> int:
         return len(self._by_hash)

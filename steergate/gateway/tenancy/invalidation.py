@@ -98,10 +98,7 @@ class Invalidations:
                         pinged = now
                     kind = msg.get("type") if msg else None
                     if kind == "subscribe":
-                        # Redis delivers events only from here on; an entry cached from
-                        # a read before this point may have missed its revocation.
-                        self.cache.clear()
-                        self.cache.paused = False
+                        self.cache.resume()
                         if lost_since is not None:
                             log.warning(
                                 "auth invalidation subscription back after %.0f s",
@@ -118,8 +115,7 @@ class Invalidations:
                 # unreachable, and with fail-open set the cached keys keep serving. Not
                 # after a silence: Redis may well be reachable, revoking, and unheard.
                 if isinstance(exc, SubscriptionSilent):
-                    self.cache.clear()
-                    self.cache.paused = True
+                    self.cache.pause()
                 # Retried every 0.25 s (revocations resume within a second of Redis's
                 # return), but said once, then every LOST_LOG_INTERVAL_S: it was four
                 # warnings a second for as long as Redis was down.
