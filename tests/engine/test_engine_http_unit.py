@@ -670,6 +670,15 @@ async def test_invalid_vector_name_is_400(env) -> None:
         json={"hook": "post_block", "layers": {"0": vec(1)}},
     )
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_vector_name"
+    # the engine's names carry the tenant's scope ("acme~calm"): the message says so
+    # (found from outside: it described only the part after the '~')
+    assert "tenant scope" in r.json()["error"]["message"] and "~" in r.json()["error"]["message"]
+    scoped = await client.put(
+        "/v1/steering/vectors/acme~calm",
+        headers=AUTH,
+        json={"hook": "post_block", "layers": {"0": vec(1)}},
+    )
+    assert scoped.status_code == 201, scoped.text
 
 
 # -- streaming --------------------------------------------------------------------------

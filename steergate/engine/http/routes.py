@@ -143,7 +143,8 @@ def _vector_name(name: str) -> str:
     if not is_engine_vector_name(name):
         raise InvalidField(
             "name",
-            "'name' must be 1-64 characters of [A-Za-z0-9._-], not '.' or '..'",
+            "'name' must be 1-64 characters of [A-Za-z0-9._-], not '.' or '..', after an "
+            "optional tenant scope of 1-32 characters of [a-z0-9-] and '~'",
             code="invalid_vector_name",
         )
     return name
