@@ -25,6 +25,27 @@ from steergate.shared.engine_api import (
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
 
 
+def _redis_url_problem(url: str) -> str | None:
+    """What the Redis client would refuse only when it first connects (a traceback after
+    start-up), or read silently otherwise (a database path that is not a number meant
+    database 0). Found from outside. Never quotes the URL: it may hold a password."""
+    parts = urlsplit(url)
+    if parts.scheme == "unix":
+        return None  # a socket path; its database is a query parameter
+    try:
+        port = parts.port
+    except ValueError:
+        return "its port is not a number from 1 to 65535"
+    if port == 0:
+        return "its port is not a number from 1 to 65535"
+    path = parts.path.strip("/")
+    if path and not (path.isascii() and path.isdigit()):
+        return "its path is a database index: a number (or nothing, for database 0)"
+    if path and "cluster" in parts.scheme and int(path) != 0:
+        return "a Redis Cluster has database 0 only"
+    return None
+
+
 class EngineSettings(BaseSettings):
     """Read by the engine's plugins inside vLLM's API-server process."""
 
@@ -235,6 +256,9 @@ class GatewaySettings(BaseSettings):
                 f"must start with one of {', '.join(REDIS_SCHEMES)} "
                 f"(its scheme is {scheme[:20]!r})"
             )
+        problem = _redis_url_problem(v.strip()) if v is not None else None
+        if problem is not None:
+            raise ValueError(problem)
         return v.strip() if v is not None else None
 
     @field_validator("admin_key", "engine_token", "metrics_token")

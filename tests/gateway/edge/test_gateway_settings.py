@@ -35,6 +35,12 @@ SECRETS = {
         ({"STEERGATE_HOST": ""}, "STEERGATE_HOST", "at least 1"),
         # a blank REDIS_URL (an empty k8s secret) quietly meant one store per replica
         ({"REDIS_URL": ""}, "REDIS_URL", "set but empty"),
+        # a traceback after start-up (exit 3), from the Redis client's first connect; a
+        # database path that is no number quietly meant database 0 (found from outside)
+        ({"REDIS_URL": "redis://:SuperSecretPW@127.0.0.1:notaport/0"}, "REDIS_URL", "port"),
+        ({"REDIS_URL": "redis://:SuperSecretPW@127.0.0.1:70000/0"}, "REDIS_URL", "port"),
+        ({"REDIS_URL": "redis://:SuperSecretPW@127.0.0.1:6379/abc"}, "REDIS_URL", "database"),
+        ({"REDIS_URL": "redis+cluster://127.0.0.1:7000/2"}, "REDIS_URL", "database 0 only"),
         # a pydantic traceback before
         ({"STEERGATE_MAX_BODY_BYTES": ""}, "STEERGATE_MAX_BODY_BYTES", "integer"),
     ],
@@ -52,6 +58,7 @@ def test_a_setting_that_would_break_every_request_refuses_the_start(
     line = done.stderr.strip().splitlines()[-1]
     assert line.startswith("steergate gateway: refusing to start: ") and f"{named}:" in line
     assert says in line, line
+    assert "SuperSecretPW" not in done.stderr + done.stdout  # never the URL's password
 
 
 def test_a_flag_does_not_hide_a_bad_setting_it_replaces_and_is_named_as_the_flag() -> None:
