@@ -132,3 +132,28 @@ def test_chat_and_responses_capture_their_templated_prompt(
     assert completed[0]["response"]["usage"]["input_tokens"] == len(ids)  # same template
     for site in sites:
         assert rel_err(got[(0, *site)], stream[site]) <= TOL, site
+
+
+def test_an_answer_ended_by_a_stop_string_leaves_no_files(real_engine: EngineProcess) -> None:
+    """Found from outside: every capture answer that ended on a ``stop`` string left one
+    file per choice in the capture directory (2 KB here, 25 MB with every site and
+    ``n`` 64) until a later capture's stale sweep, 10 minutes on. The API server's
+    detokenizer finds stop strings, so the engine core ran the request one more step,
+    and wrote its rows, after the answer had collected the files. Those are removed
+    again a second later (``LATE_WRITES_S``)."""
+    import time
+
+    from steergate.engine import capture_io
+
+    before = set(capture_io.capture_dir().glob("*.cap"))
+    body = {"model": str(real_engine.model), "prompt": "1, 2, 3,", "max_tokens": 20,
+            "temperature": 0.0, "stop": [","],
+            "capture": capture_field([("post_block", 2)], "generated", "none")}  # fmt: skip
+    for _ in range(3):
+        r = _post(real_engine, body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "stop" and r.json()["usage"]["completion_tokens"] < 20
+        assert decode_capture(r.json()["capture"])[(0, "post_block", 2)].shape[0] >= 1
+    time.sleep(3.0)  # past LATE_WRITES_S[0]
+    assert set(capture_io.capture_dir().glob("*.cap")) - before == set()

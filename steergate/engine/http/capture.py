@@ -86,20 +86,20 @@ class CaptureCall:
         return capture_answer(self.spec, sites)
 
     def discard(self) -> None:
-        """Remove the workers' files; a request still running may have one more step's
-        rows written after this, so those are removed again later. One whose answer
-        collected them has no worker writing: nothing is scheduled."""
-        running = self.cid in _RUNNING
+        """Remove the workers' files, now and again later: a worker may write one more
+        step's rows after this, also after an answer collected them (see
+        ``LATE_WRITES_S``)."""
         _RUNNING.discard(self.cid)
         capture_io.discard(self.cid)
-        if running:
-            _discard_again_later(self.cid)
+        _discard_again_later(self.cid)
 
 
-#: A worker may still write a step's rows after its request was discarded (a client left
-#: a stream mid-step, and the abort reaches the worker a step later): the request's
-#: files are removed again this long after. Found from outside: such a file stayed in
-#: /dev/shm until a later capture's stale sweep (10 minutes), and past the engine's end.
+#: A worker may still write a step's rows after the API server is done with its request:
+#: a client left a stream mid-step, or the answer ended on a ``stop`` string (the API
+#: server's detokenizer finds those, and the engine core runs the request one more step
+#: before the abort reaches it). The request's files are removed again this long after.
+#: Found from outside, both: such a file stayed in /dev/shm until a later capture's
+#: stale sweep (10 minutes), and past the engine's end.
 LATE_WRITES_S = (1.0, 10.0)
 
 

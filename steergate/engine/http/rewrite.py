@@ -116,7 +116,7 @@ class SteeringRewriteMiddleware:
             )
         finally:
             if call is not None:
-                call.discard()  # no-op once the answer collected them; else 0 bytes kept
+                call.discard()  # now and again later: a worker may write one step more
 
     async def _strip_only(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = await read_body(receive)
