@@ -307,8 +307,12 @@ def check_key_options(
             raise InvalidField("expires_at", "'expires_at' must be a number (unix seconds)")
         if expires_at <= now:
             raise InvalidField("expires_at", "'expires_at' must be in the future (unix seconds)")
-        if expires_at >= 1e11:
+        if 1e12 <= expires_at < 1e14:  # now, in milliseconds, for the next 1,000 years
             raise InvalidField("expires_at", "'expires_at' is unix seconds, not milliseconds")
+        if expires_at >= 1e11:  # the year 5138
+            raise InvalidField(
+                "expires_at", "'expires_at' must be under 1e11 unix seconds (the year 5138)"
+            )
         expires_at = float(expires_at)
     if scopes is None:
         chosen = SCOPES

@@ -104,6 +104,17 @@ def test_bad_key_options_are_400_naming_the_field_and_create_nothing(
     assert ops.admin("GET", "/admin/tenants/acme/keys").json()["keys"] == []
 
 
+def test_a_far_expiry_is_told_apart_from_milliseconds(ops: Ops) -> None:
+    """Found from outside: ``expires_at`` of 1e300 was refused as "unix seconds, not
+    milliseconds", a reason that was not it."""
+    ops.admin("POST", "/admin/tenants", json={"id": "acme"})
+    for value, says in ((1.8e12, "not milliseconds"), (1e300, "year 5138"), (5e11, "year 5138")):
+        r = ops.admin("POST", "/admin/tenants/acme/keys", json={"expires_at": value})
+        assert r.status_code == 400 and _error(r)["param"] == "expires_at", r.text
+        assert says in _error(r)["message"], r.text
+    assert ops.admin("GET", "/admin/tenants/acme/keys").json()["keys"] == []
+
+
 def test_a_body_that_is_not_an_object_is_400(ops: Ops) -> None:
     ops.admin("POST", "/admin/tenants", json={"id": "acme"})
     for content in (b"[1]", b"5", b"{nope"):
