@@ -210,16 +210,9 @@ def test_the_stale_sweep_spares_a_request_still_running(
     assert capture_http._RUNNING == set()
 
 
-async def test_a_file_written_after_its_request_was_discarded_is_removed_soon(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Found from outside: a streamed capture whose client left mid-answer had its
-    files discarded, then a worker wrote one more step's rows; that file stayed in
-    /dev/shm until a later capture's stale sweep (10 minutes), and past the engine's
-    end. A discarded request's files are now removed again shortly after; another
-    request's are left alone."""
-    import asyncio
-
+def _applied_call(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """An API server's capture call, applied (its request sent), with late re-discards
+    0.1 s and 0.3 s after a discard."""
     from steergate.engine.http import capture as capture_http
     from steergate.shared.steering import ModelShape
 
@@ -231,6 +224,20 @@ async def test_a_file_written_after_its_request_was_discarded_is_removed_soon(
     call = capture_http.take(doc, "/v1/completions", shape, support)
     assert call is not None
     call.apply(doc)
+    return call
+
+
+async def test_a_file_written_after_its_request_was_discarded_is_removed_soon(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found from outside: a streamed capture whose client left mid-answer had its
+    files discarded, then a worker wrote one more step's rows; that file stayed in
+    /dev/shm until a later capture's stale sweep (10 minutes), and past the engine's
+    end. A discarded request's files are now removed again shortly after; another
+    request's are left alone."""
+    import asyncio
+
+    call = _applied_call(tmp_path, monkeypatch)
     call.discard()  # the client left
     late = tmp_path / f"{call.cid}.0a1b.0.cap"
     other = tmp_path / f"{capture_io.new_capture_id()}.0a1b.0.cap"
@@ -252,17 +259,7 @@ async def test_rows_written_after_the_answer_are_removed_too(
     discard after an answer removes files again later, as after a client left."""
     import asyncio
 
-    from steergate.engine.http import capture as capture_http
-    from steergate.shared.steering import ModelShape
-
-    monkeypatch.setenv("STEERGATE_CAPTURE_DIR", str(tmp_path))
-    monkeypatch.setattr(capture_http, "LATE_WRITES_S", (0.1, 0.3))
-    shape, support = ModelShape(hidden_size=H, num_layers=4), capture_http.CaptureSupport(64)
-    doc = {"prompt": [1, 2, 3], "max_tokens": 4,
-           "capture": {"sites": [{"hook": "post_block", "layers": [1]}]}}  # fmt: skip
-    call = capture_http.take(doc, "/v1/completions", shape, support)
-    assert call is not None
-    call.apply(doc)
+    call = _applied_call(tmp_path, monkeypatch)
     assert call.answer()["sites"]  # the answer collected the files there were
     call.discard()  # the request's end (engine/http/rewrite.py)
     late = tmp_path / f"{call.cid}.0a1b.0.cap"
