@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, BeforeValidator, Field
 
 from steergate.gateway.admission import usage
 from steergate.gateway.admission.bodies import parse_body
@@ -373,18 +373,30 @@ async def list_admin_keys(request: Request) -> dict[str, Any]:
 # ------------------------------------------------------------------------- audit
 
 
+def _written_as_a_number(value: Any) -> Any:
+    """A query number as people write it: Python's int() and float() also read
+    ``1_000`` (found from outside: ``limit=1_0`` was 10)."""
+    if isinstance(value, str) and "_" in value:
+        raise ValueError("a number without '_'")
+    return value
+
+
+_QueryNumber = BeforeValidator(_written_as_a_number)
+
+
 @router.get("/audit")
 async def audit_log(
     request: Request,
-    since: float | None = Query(
-        default=None,
-        ge=0,
-        allow_inf_nan=False,
-        description="only entries at or after this time (unix seconds)",
-    ),
-    limit: int = Query(
-        default=audit.DEFAULT_LIMIT, ge=1, le=audit.MAX_LIMIT, description="at most this many"
-    ),
+    since: Annotated[
+        float | None,
+        Query(
+            ge=0, allow_inf_nan=False, description="only entries at or after this time (unix s)"
+        ),
+        _QueryNumber,
+    ] = None,
+    limit: Annotated[
+        int, Query(ge=1, le=audit.MAX_LIMIT, description="at most this many"), _QueryNumber
+    ] = audit.DEFAULT_LIMIT,
 ) -> dict[str, Any]:
     """Admin writes, newest first."""
     return {"entries": await _store(request).audit.read(since=since, limit=limit)}
