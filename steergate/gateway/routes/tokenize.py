@@ -4,7 +4,8 @@ each (no tokens charged: nothing is generated).
 
 Bodies are vLLM's: ``{"model"?, "prompt"}`` or ``{"model"?, "messages", ...}`` ->
 ``{"count", "max_model_len", "tokens", "token_strs"?}``; ``{"model"?, "tokens"}`` ->
-``{"prompt"}``. They carry no tenant-scoped ids, so they pass through as sent.
+``{"prompt"}``. They carry no tenant-scoped ids, so they pass through as sent, once their
+``messages`` have a shape vLLM validates cheaply (``admission/conversation_shape.py``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import orjson
 from fastapi import APIRouter, Request, Response
 
+from steergate.gateway.admission import conversation_shape
 from steergate.gateway.admission.metered import metered_call
 from steergate.gateway.admission.request_scoping import scrub
 from steergate.gateway.deps import ServicesDep
@@ -23,7 +25,9 @@ router = APIRouter(tags=["tokenizer"])
 
 @router.post("/v1/tokenize")
 async def tokenize(request: Request, tenant: TenantDep, svc: ServicesDep) -> Response:
-    content = orjson.dumps(await read_json_object(request))
+    doc = await read_json_object(request)
+    conversation_shape.check_chat(doc)  # vLLM's validation of a bad one is unbounded
+    content = orjson.dumps(doc)
     r, headers = await metered_call(
         svc.settler, svc.limiter, tenant, lambda: svc.engines.tokenize(content), caller_key(request)
     )

@@ -1,0 +1,229 @@
+"""The shape of a conversation a body carries (chat ``messages``, the Responses API's
+``input`` items, their ``tools``), checked in full before vLLM sees it.
+
+vLLM validates these fields against unions of many OpenAI types, and a value that fits
+none of them yields an error per member, per nested field, per element: 20,000 items of
+``{"role": "user", "content": 5}`` in one 640 KB ``/v1/responses`` body made 4.6 million
+errors, and the engine's API server grew to 19 GB until the kernel killed it: every
+tenant's requests failed (found from outside). What passes here fits at least one member
+of vLLM's union, so its validation stays linear and cheap; counts are capped so that a
+value which fits here and still not there stays bounded. Every refusal is a 400 naming
+the field.
+
+Pure: no I/O, no vLLM (``tests/gateway/admission/test_conversation_shape.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from steergate.shared.errors import InvalidField
+
+#: Messages of a chat, or items of a Responses ``input``: far above what a context holds
+#: (each message costs template tokens), far below what costs the engine a second.
+MAX_MESSAGES = 4096
+#: Content parts (and annotations) over the whole conversation.
+MAX_PARTS = 8192
+#: Tools one request may declare.
+MAX_TOOLS = 256
+
+INPUT_ROLES = ("user", "assistant", "system", "developer")
+#: The Responses input items vLLM serves (``vllm/entrypoints/openai/responses/utils.py``
+#: refuses every other type after validating it).
+ITEM_TYPES = (
+    "message",
+    "function_call",
+    "function_call_output",
+    "custom_tool_call",
+    "custom_tool_call_output",
+    "reasoning",
+)
+INPUT_PARTS = ("input_text", "input_image", "input_file")
+OUTPUT_PARTS = ("output_text", "refusal")
+IMAGE_DETAIL = ("low", "high", "auto")
+ITEM_STATUS = ("in_progress", "completed", "incomplete")
+
+
+class _Budget:
+    """Counts parts across a conversation (one budget per body)."""
+
+    def __init__(self) -> None:
+        self.parts = 0
+
+    def take(self, n: int, param: str) -> None:
+        self.parts += n
+        if self.parts > MAX_PARTS:
+            raise InvalidField(
+                param, f"'{param}': a conversation has at most {MAX_PARTS} content parts"
+            )
+
+
+def check_chat(body: Mapping[str, Any]) -> None:
+    """``messages`` (chat completions, tokenize) and ``tools``, when present."""
+    messages = body.get("messages")
+    if messages is not None:
+        _list(messages, "messages", MAX_MESSAGES)  # an empty one: vLLM says why not
+        budget = _Budget()
+        for i, message in enumerate(messages):
+            _chat_message(message, f"messages[{i}]", budget)
+    _tools(body.get("tools"))
+
+
+def check_responses(body: Mapping[str, Any]) -> None:
+    """The Responses API's ``input``, ``instructions`` and ``tools``."""
+    if "input" not in body:
+        raise InvalidField("input", "'input' is required: a string or a list of items")
+    value = body["input"]
+    if not isinstance(value, str):
+        _list(value, "input", MAX_MESSAGES)
+        budget = _Budget()
+        for i, item in enumerate(value):
+            _input_item(item, f"input[{i}]", budget)
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise InvalidField("instructions", "'instructions' must be a string")
+    _tools(body.get("tools"))
+
+
+def _chat_message(message: Any, at: str, budget: _Budget) -> None:
+    _object(message, at)
+    if not _string(message.get("role"), f"{at}.role"):  # vLLM takes custom roles ("ipython")
+        raise InvalidField(f"{at}.role", f"'{at}.role' must not be empty")
+    content = message.get("content")
+    if content is None or isinstance(content, str):
+        return
+    _list(content, f"{at}.content", MAX_PARTS)
+    budget.take(len(content), f"{at}.content")
+    for j, part in enumerate(content):
+        where = f"{at}.content[{j}]"
+        _object(part, where)
+        kind = _string(part.get("type"), f"{where}.type")
+        if kind == "text":
+            _string(part.get("text"), f"{where}.text")
+
+
+def _input_item(item: Any, at: str, budget: _Budget) -> None:
+    _object(item, at)
+    kind = item.get("type")
+    if kind is None and "role" in item:
+        kind = "message"
+    _one_of(kind, ITEM_TYPES, f"{at}.type")
+    if kind == "message":
+        _input_message(item, at, budget)
+    elif kind in ("function_call", "custom_tool_call"):
+        for name in ("call_id", "name", "arguments" if kind == "function_call" else "input"):
+            _string(item.get(name), f"{at}.{name}")
+        _optional_status(item, at)
+    elif kind in ("function_call_output", "custom_tool_call_output"):
+        _string(item.get("call_id"), f"{at}.call_id")
+        output = item.get("output")
+        if not isinstance(output, str):
+            _parts(output, f"{at}.output", INPUT_PARTS, budget)
+        _optional_status(item, at)
+    else:  # reasoning
+        _string(item.get("id"), f"{at}.id")
+        for name, part_type in (("summary", "summary_text"), ("content", "reasoning_text")):
+            parts = item.get(name)
+            if parts is None and name == "content":
+                continue
+            _list(parts, f"{at}.{name}", MAX_PARTS)
+            budget.take(len(parts), f"{at}.{name}")
+            for j, part in enumerate(parts):
+                _object(part, f"{at}.{name}[{j}]")
+                _one_of(part.get("type"), (part_type,), f"{at}.{name}[{j}].type")
+                _string(part.get("text"), f"{at}.{name}[{j}].text")
+        encrypted = item.get("encrypted_content")
+        if encrypted is not None:  # vLLM refuses it; said here, before any work
+            raise InvalidField(
+                f"{at}.encrypted_content", f"'{at}.encrypted_content' is not supported"
+            )
+
+
+def _input_message(item: Mapping[str, Any], at: str, budget: _Budget) -> None:
+    role = _one_of(item.get("role"), INPUT_ROLES, f"{at}.role")
+    content = item.get("content")
+    if isinstance(content, str):
+        return
+    _list(content, f"{at}.content", MAX_PARTS)
+    output = any(isinstance(p, Mapping) and p.get("type") in OUTPUT_PARTS for p in content)
+    if not output:  # an input message: user, system, developer or assistant text
+        _parts(content, f"{at}.content", INPUT_PARTS, budget)
+        return
+    # An earlier answer's output message, as the API returned it: every field it has.
+    if role != "assistant":
+        raise InvalidField(f"{at}.role", f"'{at}.role' must be 'assistant' for output content")
+    _string(item.get("id"), f"{at}.id")
+    _one_of(item.get("status"), ITEM_STATUS, f"{at}.status")
+    _parts(content, f"{at}.content", OUTPUT_PARTS, budget)
+
+
+def _parts(value: Any, at: str, kinds: tuple[str, ...], budget: _Budget) -> None:
+    _list(value, at, MAX_PARTS)
+    budget.take(len(value), at)
+    for j, part in enumerate(value):
+        where = f"{at}[{j}]"
+        _object(part, where)
+        kind = _one_of(part.get("type"), kinds, f"{where}.type")
+        if kind in ("input_text", "output_text"):
+            _string(part.get("text"), f"{where}.text")
+        elif kind == "refusal":
+            _string(part.get("refusal"), f"{where}.refusal")
+        elif kind == "input_image":
+            detail = part.get("detail")
+            if detail is not None:
+                _one_of(detail, IMAGE_DETAIL, f"{where}.detail")
+            _optional_strings(part, where, ("image_url", "file_id"))
+        elif kind == "input_file":
+            _optional_strings(part, where, ("file_id", "file_data", "file_url", "filename"))
+        if kind == "output_text":
+            annotations = part.get("annotations")
+            _list(annotations, f"{where}.annotations", MAX_PARTS)
+            budget.take(len(annotations), f"{where}.annotations")
+            for k, note in enumerate(annotations):
+                _object(note, f"{where}.annotations[{k}]")
+                _string(note.get("type"), f"{where}.annotations[{k}].type")
+
+
+def _tools(tools: Any) -> None:
+    if tools is None:
+        return
+    _list(tools, "tools", MAX_TOOLS)
+    for i, tool in enumerate(tools):
+        _object(tool, f"tools[{i}]")
+        _string(tool.get("type"), f"tools[{i}].type")
+
+
+def _optional_status(item: Mapping[str, Any], at: str) -> None:
+    if item.get("status") is not None:
+        _one_of(item["status"], ITEM_STATUS, f"{at}.status")
+
+
+def _optional_strings(part: Mapping[str, Any], at: str, names: tuple[str, ...]) -> None:
+    for name in names:
+        if part.get(name) is not None:
+            _string(part[name], f"{at}.{name}")
+
+
+def _list(value: Any, at: str, most: int) -> None:
+    if not isinstance(value, list):
+        raise InvalidField(at, f"'{at}' must be a list")
+    if len(value) > most:
+        raise InvalidField(at, f"'{at}' has {len(value)} entries; at most {most}")
+
+
+def _object(value: Any, at: str) -> None:
+    if not isinstance(value, dict):
+        raise InvalidField(at, f"'{at}' must be an object")
+
+
+def _string(value: Any, at: str) -> str:
+    if not isinstance(value, str):
+        raise InvalidField(at, f"'{at}' must be a string")
+    return value
+
+
+def _one_of(value: Any, allowed: tuple[str, ...], at: str) -> str:
+    if not isinstance(value, str) or value not in allowed:
+        raise InvalidField(at, f"'{at}' must be one of {', '.join(allowed)}")
+    return value

@@ -1,0 +1,141 @@
+"""The conversation's shape (chat ``messages``, Responses ``input`` items, ``tools``) is
+checked in full before vLLM's union validation sees it: what passes here, vLLM's own
+request models accept (they are the oracle), and what does not is a 400 naming the field.
+Found from outside: 20,000 items of ``{"role": "user", "content": 5}`` in one 640 KB
+``/v1/responses`` body made vLLM build 4.6 million validation errors, and the engine's API
+server was killed at 19 GB (every tenant's requests then failed)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from steergate.gateway.admission import conversation_shape as shape
+from steergate.shared.errors import InvalidField
+
+#: What the OpenAI SDK sends, and what the API returns and clients send back.
+GOOD_INPUTS: list[Any] = [
+    "Describe the sea.",
+    [{"role": "user", "content": "hi"}],
+    [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "x"}]}],
+    [{"role": "user", "content": [
+        {"type": "input_text", "text": "what is this?"},
+        {"type": "input_image", "image_url": "data:image/png;base64,AAAA", "detail": "low"},
+        {"type": "input_image", "file_id": "file_1"},
+        {"type": "input_file", "file_id": "file_2", "filename": "a.pdf"},
+    ]}],
+    [{"role": "assistant", "content": "an earlier answer"}],
+    [{"id": "msg_1", "type": "message", "role": "assistant", "status": "completed",
+      "content": [{"type": "output_text", "text": "an answer", "annotations": []},
+                  {"type": "refusal", "refusal": "no"}]}],
+    [{"type": "function_call", "call_id": "c1", "name": "get", "arguments": "{}"},
+     {"type": "function_call_output", "call_id": "c1", "output": "42"},
+     {"type": "function_call_output", "call_id": "c1",
+      "output": [{"type": "input_text", "text": "42"}]}],
+    [{"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "t"}]},
+     {"type": "reasoning", "id": "rs_2", "summary": [],
+      "content": [{"type": "reasoning_text", "text": "t"}]}],
+    [{"type": "custom_tool_call", "call_id": "c2", "name": "sh", "input": "ls"},
+     {"type": "custom_tool_call_output", "call_id": "c2", "output": "a b"}],
+]  # fmt: skip
+
+BAD_INPUTS: list[tuple[Any, str]] = [
+    (5, "input"),
+    (None, "input"),
+    ({"role": "user"}, "input"),
+    ([5], "input[0]"),
+    ([{"role": "user", "content": 5}] * 20_000, "input"),  # the attack: too many
+    ([{"role": "user", "content": 5}] * 4, "input[0].content"),  # the attack's item
+    ([{"role": "robot", "content": "x"}], "input[0].role"),
+    ([{"type": "web_search_call", "id": "w"}], "input[0].type"),
+    ([{"role": "user", "content": [{"type": "input_text"}]}], "input[0].content[0].text"),
+    ([{"role": "user", "content": [{"type": "input_text", "text": "x"}] * 9000}],
+     "input[0].content"),
+    ([{"role": "user", "content": [{"type": "input_image", "detail": "max"}]}],
+     "input[0].content[0].detail"),
+    ([{"role": "user", "content": [{"type": "output_text", "text": "x", "annotations": []}]}],
+     "input[0].role"),
+    ([{"role": "assistant", "content": [{"type": "output_text", "text": "x"}]}], "input[0].id"),
+    ([{"id": "m", "type": "message", "role": "assistant", "status": "done",
+       "content": [{"type": "output_text", "text": "x", "annotations": []}]}], "input[0].status"),
+    ([{"id": "m", "type": "message", "role": "assistant", "status": "completed",
+       "content": [{"type": "output_text", "text": "x"}]}], "input[0].content[0].annotations"),
+    ([{"type": "function_call", "call_id": "c", "name": "f"}], "input[0].arguments"),
+    ([{"type": "function_call_output", "call_id": "c", "output": 5}], "input[0].output"),
+    ([{"type": "reasoning", "id": "r"}], "input[0].summary"),
+    ([{"type": "reasoning", "id": "r", "summary": [], "encrypted_content": "x"}],
+     "input[0].encrypted_content"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("value", GOOD_INPUTS)
+def test_a_responses_input_that_passes_is_one_vllm_accepts(value: Any) -> None:
+    shape.check_responses({"input": value})
+    protocol = pytest.importorskip("vllm.entrypoints.openai.responses.protocol")
+    protocol.ResponsesRequest.model_validate({"input": value})
+
+
+@pytest.mark.parametrize(("value", "param"), BAD_INPUTS)
+def test_a_bad_responses_input_is_refused_naming_the_field(value: Any, param: str) -> None:
+    with pytest.raises(InvalidField) as refused:
+        shape.check_responses({"input": value})
+    assert refused.value.param == param
+    assert refused.value.message.startswith(f"'{param}'"), refused.value.message
+
+
+def test_responses_needs_input_and_a_string_instructions() -> None:
+    for body, param in (({}, "input"), ({"input": "x", "instructions": 5}, "instructions")):
+        with pytest.raises(InvalidField) as refused:
+            shape.check_responses(body)
+        assert refused.value.param == param
+
+
+GOOD_CHATS: list[Any] = [
+    [{"role": "user", "content": "hi"}],
+    [{"role": "system", "content": "be brief"}, {"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]},
+     {"role": "assistant", "content": None, "tool_calls": [
+         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+     {"role": "tool", "tool_call_id": "c1", "content": "42"}],
+    [{"role": "ipython", "content": "a custom role vLLM takes"}],
+]  # fmt: skip
+
+BAD_CHATS: list[tuple[Any, str]] = [
+    ("hi", "messages"),
+    ([{"role": 5}] * 760_000, "messages"),  # an 8 MiB body of them
+    ([{"role": 5}], "messages[0].role"),
+    ([{"content": "x"}], "messages[0].role"),
+    ([{"role": ""}], "messages[0].role"),
+    ([7], "messages[0]"),
+    ([{"role": "user", "content": 5}] , "messages[0].content"),
+    ([{"role": "user", "content": [{"type": 5}] * 3}], "messages[0].content[0].type"),
+    ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content[0].text"),
+    ([{"role": "user", "content": [{"type": "text", "text": "x"}] * 5000}] * 2,
+     "messages[1].content"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("messages", GOOD_CHATS)
+def test_chat_messages_that_pass_are_ones_vllm_accepts(messages: Any) -> None:
+    shape.check_chat({"messages": messages})
+    protocol = pytest.importorskip("vllm.entrypoints.openai.chat_completion.protocol")
+    protocol.ChatCompletionRequest.model_validate({"messages": messages})
+
+
+@pytest.mark.parametrize(("messages", "param"), BAD_CHATS)
+def test_bad_chat_messages_are_refused_naming_the_field(messages: Any, param: str) -> None:
+    with pytest.raises(InvalidField) as refused:
+        shape.check_chat({"messages": messages})
+    assert refused.value.param == param
+
+
+def test_tools_are_objects_with_a_type_and_bounded() -> None:
+    shape.check_chat({"tools": [{"type": "function", "function": {"name": "f"}}]})
+    for tools, param in (({"type": "function"}, "tools"), ([5], "tools[0]"),
+                         ([{"function": {}}], "tools[0].type"),
+                         ([{"type": "function"}] * 300, "tools")):  # fmt: skip
+        with pytest.raises(InvalidField) as refused:
+            shape.check_responses({"input": "x", "tools": tools})
+        assert refused.value.param == param
