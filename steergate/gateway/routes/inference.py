@@ -22,7 +22,7 @@ from fastapi.responses import StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.routing import request_response
 
-from steergate.gateway.admission import conversation_shape
+from steergate.gateway.admission import request_shape
 from steergate.gateway.admission.admitted import Admission
 from steergate.gateway.admission.bodies import OFF_LOOP_BYTES, parse_body
 from steergate.gateway.admission.metered import Admitted, admitted
@@ -132,9 +132,11 @@ async def proxy_inference(request: Request, path: str) -> Response:
     # Ids validated in full and the inline budget checked; no vector data converted yet.
     head = prescan(body, svc.bodies.budget)
     if is_responses:
-        conversation_shape.check_responses(body)
+        request_shape.check_responses(body)
     elif path == engine_api.CHAT_COMPLETIONS:
-        conversation_shape.check_chat(body)
+        request_shape.check_chat(body)
+    else:
+        request_shape.check_completion(body)
     if head.capture is not None and shape is not None:  # 400s before admission
         parse_capture(body["capture"], shape)
         check_up_front(

@@ -5,7 +5,7 @@ each (no tokens charged: nothing is generated).
 Bodies are vLLM's: ``{"model"?, "prompt"}`` or ``{"model"?, "messages", ...}`` ->
 ``{"count", "max_model_len", "tokens", "token_strs"?}``; ``{"model"?, "tokens"}`` ->
 ``{"prompt"}``. They carry no tenant-scoped ids, so they pass through as sent, once their
-``messages`` have a shape vLLM validates cheaply (``admission/conversation_shape.py``).
+``messages`` have a shape vLLM validates cheaply (``admission/request_shape.py``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import orjson
 from fastapi import APIRouter, Request, Response
 
-from steergate.gateway.admission import conversation_shape
+from steergate.gateway.admission import request_shape
 from steergate.gateway.admission.metered import metered_call
 from steergate.gateway.admission.request_scoping import scrub
 from steergate.gateway.deps import ServicesDep
@@ -26,7 +26,8 @@ router = APIRouter(tags=["tokenizer"])
 @router.post("/v1/tokenize")
 async def tokenize(request: Request, tenant: TenantDep, svc: ServicesDep) -> Response:
     doc = await read_json_object(request)
-    conversation_shape.check_chat(doc)  # vLLM's validation of a bad one is unbounded
+    # vLLM's validation of a bad one is unbounded (admission/request_shape.py)
+    (request_shape.check_chat if "messages" in doc else request_shape.check_completion)(doc)
     content = orjson.dumps(doc)
     r, headers = await metered_call(
         svc.settler, svc.limiter, tenant, lambda: svc.engines.tokenize(content), caller_key(request)
@@ -36,7 +37,9 @@ async def tokenize(request: Request, tenant: TenantDep, svc: ServicesDep) -> Res
 
 @router.post("/v1/detokenize")
 async def detokenize(request: Request, tenant: TenantDep, svc: ServicesDep) -> Response:
-    content = orjson.dumps(await read_json_object(request))
+    doc = await read_json_object(request)
+    request_shape.check_detokenize(doc)
+    content = orjson.dumps(doc)
     r, headers = await metered_call(
         svc.settler,
         svc.limiter,

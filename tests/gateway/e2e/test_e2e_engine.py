@@ -181,7 +181,8 @@ def test_a_conversation_vllm_would_validate_without_bound_is_refused_before_the_
     """Found from outside: 20,000 items of ``{"role": "user", "content": 5}`` (640 KB) on
     ``/v1/responses`` made vLLM build 4.6 million validation errors; the engine's API
     server was killed at 19 GB and every tenant got 502. Here 300 such items (70,000
-    errors in vLLM, no danger to this machine) and the like for chat: the gateway refuses
+    errors in vLLM, no danger to this machine) and the like for chat, completions and
+    the tokenizer routes, and a field past the body's entry bound: the gateway refuses
     each as a 400 naming the first bad field, before admission and before the engine, and
     the engine serves the next request as usual."""
     key = make_tenant(redis_url, "shape")
@@ -196,6 +197,10 @@ def test_a_conversation_vllm_would_validate_without_bound_is_refused_before_the_
          "messages[0].role"),
         ("/v1/tokenize", {"model": model, "messages": [{"role": "user", "content": 5}] * 300},
          "messages[0].content"),
+        ("/v1/completions", {"model": model, "prompt": [[None] * 300]}, "prompt[0][0]"),
+        ("/v1/completions", {"model": model, "prompt": "x", "stop_token_ids": [1] * 70_000},
+         "stop_token_ids"),
+        ("/v1/detokenize", {"model": model, "tokens": [None] * 300}, "tokens[0]"),
     ]  # fmt: skip
     for path, body, param in cases:
         r = httpx.post(real_gateway.url + path, json=body, headers=auth, timeout=60)

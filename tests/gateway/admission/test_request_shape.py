@@ -1,9 +1,10 @@
-"""The conversation's shape (chat ``messages``, Responses ``input`` items, ``tools``) is
-checked in full before vLLM's union validation sees it: what passes here, vLLM's own
-request models accept (they are the oracle), and what does not is a 400 naming the field.
-Found from outside: 20,000 items of ``{"role": "user", "content": 5}`` in one 640 KB
-``/v1/responses`` body made vLLM build 4.6 million validation errors, and the engine's API
-server was killed at 19 GB (every tenant's requests then failed)."""
+"""What a body asks of vLLM is checked in full before vLLM's union validation sees it
+(chat ``messages``, Responses ``input`` items, ``tools``, ``prompt``, detokenize
+``tokens``) and every other field is bounded in entries: what passes here, vLLM's own
+request models accept (they are the oracle), and what does not is a 400 naming the
+field. Found from outside: 20,000 items of ``{"role": "user", "content": 5}`` in one
+640 KB ``/v1/responses`` body made vLLM build 4.6 million validation errors, and the
+engine's API server was killed at 19 GB (every tenant's requests then failed)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from steergate.gateway.admission import conversation_shape as shape
+from steergate.gateway.admission import request_shape as shape
 from steergate.shared.errors import InvalidField
 
 #: What the OpenAI SDK sends, and what the API returns and clients send back.
@@ -112,6 +113,7 @@ BAD_CHATS: list[tuple[Any, str]] = [
     ([{"role": "user", "content": 5}] , "messages[0].content"),
     ([{"role": "user", "content": [{"type": 5}] * 3}], "messages[0].content[0].type"),
     ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content[0].text"),
+    ([{"role": "user", "content": "x", "name": 5}] * 4096, "messages[0].name"),  # 57,344
     ([{"role": "user", "content": [{"type": "text", "text": "x"}] * 5000}] * 2,
      "messages[1].content"),
 ]  # fmt: skip
@@ -139,3 +141,66 @@ def test_tools_are_objects_with_a_type_and_bounded() -> None:
         with pytest.raises(InvalidField) as refused:
             shape.check_responses({"input": "x", "tools": tools})
         assert refused.value.param == param
+
+
+@pytest.mark.parametrize("prompt", ["x", [1, 2], ["a", "b"], [[1, 2], [3]], []])
+def test_a_prompt_that_passes_is_one_vllm_accepts(prompt: Any) -> None:
+    shape.check_completion({"prompt": prompt})
+    if prompt == []:
+        return  # vLLM says why it is not a prompt
+    protocol = pytest.importorskip("vllm.entrypoints.openai.completion.protocol")
+    protocol.CompletionRequest.model_validate({"prompt": prompt})
+
+
+@pytest.mark.parametrize(
+    ("prompt", "param"),
+    [
+        (5, "prompt"),
+        ([None] * 3, "prompt[0]"),
+        ([[None] * 100_000], "prompt[0][0]"),  # 100,003 errors in vLLM, 585 KB
+        (["a", 1], "prompt[1]"),
+        ([1, "a"], "prompt[1]"),
+        ([True], "prompt[0]"),
+        ([-1], "prompt[0]"),
+        ([[1], 2], "prompt[1]"),
+    ],
+)
+def test_a_bad_prompt_is_refused_naming_the_element(prompt: Any, param: str) -> None:
+    with pytest.raises(InvalidField) as refused:
+        shape.check_completion({"prompt": prompt})
+    assert refused.value.param == param
+
+
+def test_every_other_field_is_bounded_in_entries_at_any_depth() -> None:
+    """100,000 ``null`` in ``stop_token_ids`` (585 KB) were 100,000 errors and seconds of
+    the engine API server's event loop; a schema or ``logit_bias`` of ordinary size
+    passes."""
+    fine = {"prompt": "x", "logit_bias": {str(i): 1 for i in range(1000)},
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {
+                "type": "object", "properties": {f"p{i}": {"type": "string"}
+                                                 for i in range(500)}}}}}  # fmt: skip
+    shape.check_completion(fine)
+    for body, param in (
+        ({"stop_token_ids": [None] * 100_000}, "stop_token_ids"),
+        ({"logit_bias": {str(i): None for i in range(70_000)}}, "logit_bias"),
+        ({"structured_outputs": {"choice": [None] * 70_000}}, "structured_outputs"),
+        ({"a": [1] * 40_000, "b": [[1] * 30_000]}, "b"),  # counted over the whole body
+    ):
+        for check in (shape.check_completion, shape.check_chat):
+            with pytest.raises(InvalidField) as refused:
+                check({"prompt": "x", **body} if check is shape.check_completion else body)
+            assert refused.value.param == param
+        with pytest.raises(InvalidField):
+            shape.check_responses({"input": "x", **body})
+
+
+def test_tool_calls_and_detokenize_tokens_are_checked() -> None:
+    bad_call = {"role": "assistant", "tool_calls": [{"type": "function", "function": {
+        "name": 5, "arguments": "{}"}}]}  # fmt: skip
+    with pytest.raises(InvalidField) as refused:
+        shape.check_chat({"messages": [bad_call]})
+    assert refused.value.param == "messages[0].tool_calls[0].function.name"
+    with pytest.raises(InvalidField) as refused:
+        shape.check_detokenize({"tokens": [1, None]})
+    assert refused.value.param == "tokens[1]"
+    shape.check_detokenize({"tokens": [1, 2]})

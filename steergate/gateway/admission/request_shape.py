@@ -1,16 +1,18 @@
-"""The shape of a conversation a body carries (chat ``messages``, the Responses API's
-``input`` items, their ``tools``), checked in full before vLLM sees it.
+"""The shape of what a body asks of vLLM (chat ``messages``, the Responses API's ``input``
+items, ``tools``, a completion's ``prompt``, and every other list or object), checked in
+full before vLLM sees it.
 
 vLLM validates these fields against unions of many OpenAI types, and a value that fits
 none of them yields an error per member, per nested field, per element: 20,000 items of
 ``{"role": "user", "content": 5}`` in one 640 KB ``/v1/responses`` body made 4.6 million
 errors, and the engine's API server grew to 19 GB until the kernel killed it: every
-tenant's requests failed (found from outside). What passes here fits at least one member
-of vLLM's union, so its validation stays linear and cheap; counts are capped so that a
-value which fits here and still not there stays bounded. Every refusal is a 400 naming
-the field.
+tenant's requests failed (found from outside). 100,000 ``null`` in ``stop_token_ids``
+(585 KB) are 100,000 errors and seconds of the API server's event loop, every tenant's.
+What passes here fits at least one member of vLLM's union where there is one, and
+everything else is bounded in count, so that vLLM's validation stays small. Every
+refusal is a 400 naming the field.
 
-Pure: no I/O, no vLLM (``tests/gateway/admission/test_conversation_shape.py``).
+Pure: no I/O, no vLLM (``tests/gateway/admission/test_request_shape.py``).
 """
 
 from __future__ import annotations
@@ -25,9 +27,17 @@ from steergate.shared.errors import InvalidField
 MAX_MESSAGES = 4096
 #: Content parts (and annotations) over the whole conversation.
 MAX_PARTS = 8192
-#: Tools one request may declare.
+#: Tools one request may declare, and tool calls one message may carry.
 MAX_TOOLS = 256
+#: List entries and object members in all of a body's other fields, at any depth (a
+#: JSON schema, ``logit_bias``, ``allowed_token_ids``, ``stop``, ``tools``' schemas...).
+MAX_ENTRIES = 65_536
+#: Fields with their own rules (``steering`` and ``capture`` are the gateway's own, and
+#: never reach vLLM's validation as sent).
+OWN_RULES = ("messages", "input", "prompt", "tokens", "steering", "capture")
 
+#: A chat message's string fields besides ``role`` and ``content``.
+MESSAGE_STRINGS = ("name", "tool_call_id", "refusal", "reasoning", "reasoning_content")
 INPUT_ROLES = ("user", "assistant", "system", "developer")
 #: The Responses input items vLLM serves (``vllm/entrypoints/openai/responses/utils.py``
 #: refuses every other type after validating it).
@@ -68,6 +78,55 @@ def check_chat(body: Mapping[str, Any]) -> None:
         for i, message in enumerate(messages):
             _chat_message(message, f"messages[{i}]", budget)
     _tools(body.get("tools"))
+    check_entries(body)
+
+
+def check_completion(body: Mapping[str, Any]) -> None:
+    """``prompt`` (completions, tokenize): a string, a list of token ids, a list of
+    strings, or a list of lists of token ids; then the rest of the body."""
+    prompt = body.get("prompt")
+    if prompt is not None and not isinstance(prompt, str):
+        _list(prompt, "prompt")  # vLLM bounds how many prompts, and their lengths
+        if prompt and isinstance(prompt[0], list):
+            for i, ids in enumerate(prompt):
+                _list(ids, f"prompt[{i}]")
+                _token_ids(ids, f"prompt[{i}]")
+        elif prompt and isinstance(prompt[0], str):
+            for i, text in enumerate(prompt):
+                _string(text, f"prompt[{i}]")
+        else:
+            _token_ids(prompt, "prompt")
+    check_entries(body)
+
+
+def check_detokenize(body: Mapping[str, Any]) -> None:
+    """``tokens`` (detokenize): a list of token ids."""
+    tokens = body.get("tokens")
+    if tokens is not None:
+        _list(tokens, "tokens")
+        _token_ids(tokens, "tokens")
+    check_entries(body)
+
+
+def check_entries(body: Mapping[str, Any]) -> None:
+    """Every field without its own rules holds at most ``MAX_ENTRIES`` list entries and
+    object members, at any depth; the count stops at the first field past it."""
+    left = MAX_ENTRIES
+    for name, value in body.items():
+        if name in OWN_RULES or not isinstance(value, (list, dict)):
+            continue
+        stack = [value]
+        while stack:
+            node = stack.pop()
+            left -= len(node)
+            if left < 0:
+                raise InvalidField(
+                    name,
+                    f"'{name}': a body holds at most {MAX_ENTRIES} list entries and object "
+                    "members outside messages, input, prompt and tokens",
+                )
+            children = node.values() if isinstance(node, dict) else node
+            stack.extend(c for c in children if isinstance(c, (list, dict)))
 
 
 def check_responses(body: Mapping[str, Any]) -> None:
@@ -84,12 +143,23 @@ def check_responses(body: Mapping[str, Any]) -> None:
     if instructions is not None and not isinstance(instructions, str):
         raise InvalidField("instructions", "'instructions' must be a string")
     _tools(body.get("tools"))
+    check_entries(body)
 
 
 def _chat_message(message: Any, at: str, budget: _Budget) -> None:
     _object(message, at)
     if not _string(message.get("role"), f"{at}.role"):  # vLLM takes custom roles ("ipython")
         raise InvalidField(f"{at}.role", f"'{at}.role' must not be empty")
+    _optional_strings(message, at, MESSAGE_STRINGS)
+    calls = message.get("tool_calls")
+    if calls is not None:
+        _list(calls, f"{at}.tool_calls", MAX_TOOLS)
+        for j, call in enumerate(calls):
+            _object(call, f"{at}.tool_calls[{j}]")
+            function = call.get("function")
+            _object(function, f"{at}.tool_calls[{j}].function")
+            for name in ("name", "arguments"):
+                _string(function.get(name), f"{at}.tool_calls[{j}].function.{name}")
     content = message.get("content")
     if content is None or isinstance(content, str):
         return
@@ -205,11 +275,17 @@ def _optional_strings(part: Mapping[str, Any], at: str, names: tuple[str, ...]) 
             _string(part[name], f"{at}.{name}")
 
 
-def _list(value: Any, at: str, most: int) -> None:
+def _list(value: Any, at: str, most: int | None = None) -> None:
     if not isinstance(value, list):
         raise InvalidField(at, f"'{at}' must be a list")
-    if len(value) > most:
+    if most is not None and len(value) > most:
         raise InvalidField(at, f"'{at}' has {len(value)} entries; at most {most}")
+
+
+def _token_ids(ids: list[Any], at: str) -> None:
+    for i, token in enumerate(ids):
+        if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+            raise InvalidField(f"{at}[{i}]", f"'{at}[{i}]' must be a token id (an integer >= 0)")
 
 
 def _object(value: Any, at: str) -> None:
