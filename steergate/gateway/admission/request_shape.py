@@ -109,8 +109,10 @@ def check_detokenize(body: Mapping[str, Any]) -> None:
 
 
 def check_entries(body: Mapping[str, Any]) -> None:
-    """Every field without its own rules holds at most ``MAX_ENTRIES`` list entries and
-    object members, at any depth; the count stops at the first field past it."""
+    """The sampling lists vLLM validates element by element are checked in full; every
+    field without its own rules holds at most ``MAX_ENTRIES`` list entries and object
+    members, at any depth (the count stops at the first field past it)."""
+    _sampling_lists(body)
     left = MAX_ENTRIES
     for name, value in body.items():
         if name in OWN_RULES or not isinstance(value, (list, dict)):
@@ -280,6 +282,30 @@ def _list(value: Any, at: str, most: int | None = None) -> None:
         raise InvalidField(at, f"'{at}' must be a list")
     if most is not None and len(value) > most:
         raise InvalidField(at, f"'{at}' has {len(value)} entries; at most {most}")
+
+
+def _sampling_lists(body: Mapping[str, Any]) -> None:
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str):
+        _list(stop, "stop")
+        for i, text in enumerate(stop):
+            _string(text, f"stop[{i}]")
+    for name in ("stop_token_ids", "allowed_token_ids"):
+        if body.get(name) is not None:
+            _list(body[name], name)
+            _token_ids(body[name], name)
+    if body.get("bad_words") is not None:
+        _list(body["bad_words"], "bad_words")
+        for i, text in enumerate(body["bad_words"]):
+            _string(text, f"bad_words[{i}]")
+    bias = body.get("logit_bias")
+    if bias is not None:
+        _object(bias, "logit_bias")
+        for token, value in bias.items():
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise InvalidField(
+                    f"logit_bias.{token[:32]}", "'logit_bias' maps token ids to numbers"
+                )
 
 
 def _token_ids(ids: list[Any], at: str) -> None:
