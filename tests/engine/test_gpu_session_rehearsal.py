@@ -76,7 +76,8 @@ def _run(cmd: list[str], tmp: Path, python: Path) -> subprocess.CompletedProcess
 def _ratio_rows(report: str) -> list[int]:
     """Token counts of the ``stock / variant`` table (the report's last table)."""
     table = report.split("stock / variant (1.0 = free)")[-1]
-    return [int(m) for m in re.findall(r"^\| (\d+) \| \d\.\d{3} \[", table, re.M)]
+    # A ratio may be 270.451 on a loaded CPU (the rehearsal's timings mean nothing)
+    return [int(m) for m in re.findall(r"^\| (\d+) \| \d+\.\d{3} \[", table, re.M)]
 
 
 def _assert_checks_passed(report: str) -> None:
