@@ -109,10 +109,14 @@ def check_detokenize(body: Mapping[str, Any]) -> None:
 
 
 def check_entries(body: Mapping[str, Any]) -> None:
-    """The sampling lists vLLM validates element by element are checked in full; every
-    field without its own rules holds at most ``MAX_ENTRIES`` list entries and object
-    members, at any depth (the count stops at the first field past it)."""
+    """Every field without its own rules holds at most ``MAX_ENTRIES`` list entries and
+    object members, at any depth (the count stops at the first field past it); then the
+    sampling lists vLLM validates element by element are checked in full."""
+    _count_entries(body)
     _sampling_lists(body)
+
+
+def _count_entries(body: Mapping[str, Any]) -> None:
     left = MAX_ENTRIES
     for name, value in body.items():
         if name in OWN_RULES or not isinstance(value, (list, dict)):
@@ -309,6 +313,8 @@ def _sampling_lists(body: Mapping[str, Any]) -> None:
 
 
 def _token_ids(ids: list[Any], at: str) -> None:
+    if all(type(t) is int for t in ids) and min(ids, default=0) >= 0:
+        return  # the common case, at C speed (a long prompt is on the event loop)
     for i, token in enumerate(ids):
         if not isinstance(token, int) or isinstance(token, bool) or token < 0:
             raise InvalidField(f"{at}[{i}]", f"'{at}[{i}]' must be a token id (an integer >= 0)")
