@@ -30,6 +30,7 @@ import multiprocessing
 import os
 import threading
 import time
+from collections.abc import Callable, Mapping
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -54,6 +55,8 @@ log = logging.getLogger("steergate.gateway.bodies")
 #: their inline steering (bounded by the budget) converts in about as long. Larger
 #: ones go to a worker process (a round trip costs ~2 ms plus ~1 ms per MB copied).
 OFF_LOOP_BYTES = 256 * 1024
+#: A route's check of a parsed body (``request_shape.check_chat`` ...): raises a 400.
+BodyCheck = Callable[[Mapping[str, Any]], None]
 
 
 @dataclass(frozen=True)
@@ -122,14 +125,20 @@ def number_out_of_range(raw: bytes) -> str | None:
     return None
 
 
-def parse_in_worker(raw: bytes, shape: ModelShape | None, budget: InlineBudget) -> tuple[Any, ...]:
+def parse_in_worker(
+    raw: bytes, shape: ModelShape | None, budget: InlineBudget, check: BodyCheck | None = None
+) -> tuple[Any, ...]:
     """Run in a worker process: ``("ok", body, steering)`` or ``("error", param,
-    message, code)`` (exceptions with their own ``__init__`` do not unpickle)."""
+    message, code)`` (exceptions with their own ``__init__`` do not unpickle). The
+    checks run in the route's order: ``prescan`` (the inline budget, from lengths,
+    before any conversion), ``check`` (the route's request shape), then ``steering``."""
     try:
         body = parse_body(raw)
+        prescan(body, budget)
+        if check is not None:
+            check(body)
         steering = None
         if body.get("steering") is not None:
-            prescan(body, budget)  # the inline budget, from lengths, before any conversion
             steering = parse_steering(body["steering"], shape)
         return ("ok", body, steering)
     except APIError as exc:
@@ -183,10 +192,17 @@ class BodyParser:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
 
-    async def parse(self, raw: bytes, tenant_id: str, shape: ModelShape | None) -> Parsed:
+    async def parse(
+        self,
+        raw: bytes,
+        tenant_id: str,
+        shape: ModelShape | None,
+        check: BodyCheck | None = None,
+    ) -> Parsed:
         """Parse and validate ``raw`` in a worker once this tenant's earlier large
-        bodies are done; raises the contract's 400 for what the worker refused."""
-        result = await self._call(tenant_id, parse_in_worker, raw, shape, self.budget)
+        bodies are done (``check``, a module-level function, runs there too); raises
+        the contract's 400 for what the worker refused."""
+        result = await self._call(tenant_id, parse_in_worker, raw, shape, self.budget, check)
         return Parsed(result[0], result[1], shape)
 
     async def parse_vector(

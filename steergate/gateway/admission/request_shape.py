@@ -53,6 +53,10 @@ INPUT_PARTS = ("input_text", "input_image", "input_file")
 OUTPUT_PARTS = ("output_text", "refusal")
 IMAGE_DETAIL = ("low", "high", "auto")
 ITEM_STATUS = ("in_progress", "completed", "incomplete")
+#: Responses API fields that need vLLM's response store: one dict per engine process,
+#: shared by every tenant and lost on restart (a ``previous_response_id`` could name
+#: another tenant's response). ``conversation_id`` + a latch carry a conversation instead.
+RESPONSES_UNSUPPORTED = ("previous_response_id", "background")
 
 
 class _Budget:
@@ -78,7 +82,7 @@ def check_chat(body: Mapping[str, Any]) -> None:
         for i, message in enumerate(messages):
             _chat_message(message, f"messages[{i}]", budget)
     _tools(body.get("tools"))
-    check_entries(body)
+    _check_entries(body)
 
 
 def check_completion(body: Mapping[str, Any]) -> None:
@@ -96,7 +100,7 @@ def check_completion(body: Mapping[str, Any]) -> None:
                 _string(text, f"prompt[{i}]")
         else:
             _token_ids(prompt, "prompt")
-    check_entries(body)
+    _check_entries(body)
 
 
 def check_detokenize(body: Mapping[str, Any]) -> None:
@@ -105,10 +109,10 @@ def check_detokenize(body: Mapping[str, Any]) -> None:
     if tokens is not None:
         _list(tokens, "tokens")
         _token_ids(tokens, "tokens")
-    check_entries(body)
+    _check_entries(body)
 
 
-def check_entries(body: Mapping[str, Any]) -> None:
+def _check_entries(body: Mapping[str, Any]) -> None:
     """Every field without its own rules holds at most ``MAX_ENTRIES`` list entries and
     object members, at any depth (the count stops at the first field past it); then the
     sampling lists vLLM validates element by element are checked in full."""
@@ -136,7 +140,16 @@ def _count_entries(body: Mapping[str, Any]) -> None:
 
 
 def check_responses(body: Mapping[str, Any]) -> None:
-    """The Responses API's ``input``, ``instructions`` and ``tools``."""
+    """The Responses API's ``input``, ``instructions`` and ``tools``; the fields that need
+    a response store are refused (the route forces ``store`` off)."""
+    for field in RESPONSES_UNSUPPORTED:
+        if body.get(field) not in (None, False):
+            raise InvalidField(
+                field,
+                f"'{field}' is not supported by this gateway; send the conversation's "
+                "input with each request (and 'conversation_id' to keep its steering)",
+                "unsupported_parameter",
+            )
     if "input" not in body:
         raise InvalidField("input", "'input' is required: a string or a list of items")
     value = body["input"]
@@ -149,7 +162,7 @@ def check_responses(body: Mapping[str, Any]) -> None:
     if instructions is not None and not isinstance(instructions, str):
         raise InvalidField("instructions", "'instructions' must be a string")
     _tools(body.get("tools"))
-    check_entries(body)
+    _check_entries(body)
 
 
 def _chat_message(message: Any, at: str, budget: _Budget) -> None:

@@ -45,7 +45,7 @@ from steergate.shared import engine_api
 from steergate.shared.asgi import Receive
 from steergate.shared.capture import answer_bytes, check_up_front, parse_capture
 from steergate.shared.engine_api import LATCH_HEADER
-from steergate.shared.errors import APIError, InvalidField, render
+from steergate.shared.errors import APIError, render
 from steergate.shared.errors import spec as error_spec
 
 log = logging.getLogger("steergate.gateway.inference")
@@ -81,28 +81,16 @@ async def completions(request: Request) -> Response:
 async def responses(request: Request) -> Response:
     """The Responses API: the same auth, scoping, limits, accounting and ``steering`` /
     ``conversation_id`` fields as chat. Conversation state lives in latches, not in
-    stored responses (see :func:`_responses_body`)."""
+    stored responses (see :func:`request_shape.check_responses`)."""
     return await proxy_inference(request, engine_api.RESPONSES)
 
 
-#: Responses API fields that would reach state vLLM keeps per process, not per tenant.
-RESPONSES_UNSUPPORTED = ("previous_response_id", "background")
-
-
-def _responses_body(body: dict[str, Any]) -> None:
-    """vLLM's response store is one dict per engine process, shared by every tenant
-    and lost on restart: a ``previous_response_id`` could name another tenant's
-    response. So nothing is stored (``store`` is forced off) and the fields that need
-    the store are refused; ``conversation_id`` + a latch carry a conversation instead."""
-    for field in RESPONSES_UNSUPPORTED:
-        if body.get(field) not in (None, False):
-            raise InvalidField(
-                field,
-                f"'{field}' is not supported by this gateway; send the conversation's "
-                "input with each request (and 'conversation_id' to keep its steering)",
-                "unsupported_parameter",
-            )
-    body["store"] = False
+#: What vLLM validates of each inference route's body, checked first (request_shape.py).
+SHAPE_CHECKS = {
+    engine_api.RESPONSES: request_shape.check_responses,
+    engine_api.CHAT_COMPLETIONS: request_shape.check_chat,
+    engine_api.COMPLETIONS: request_shape.check_completion,
+}
 
 
 async def read_json_object(request: Request) -> dict[str, Any]:
@@ -120,23 +108,25 @@ async def proxy_inference(request: Request, path: str) -> Response:
     svc = get_services(request)
     shape = svc.engines.shape()
     raw = await request.body()
-    # A large body is parsed and its steering validated in a worker process, after this
-    # tenant's earlier large bodies (steergate/gateway/admission/bodies.py): never on this
-    # event loop.
-    parsed = await svc.bodies.parse(raw, tenant.id, shape) if len(raw) > OFF_LOOP_BYTES else None
-    body = parsed.body if parsed else parse_body(raw)
     is_responses = path == engine_api.RESPONSES
+    check = SHAPE_CHECKS.get(path, request_shape.check_completion)
+    # A large body is parsed, its shape checked and its steering validated in a worker
+    # process, after this tenant's earlier large bodies
+    # (steergate/gateway/admission/bodies.py): never on this event loop.
+    parsed = None
+    if len(raw) > OFF_LOOP_BYTES:
+        parsed = await svc.bodies.parse(raw, tenant.id, shape, check)
+    body = parsed.body if parsed else parse_body(raw)
     if is_responses:
-        _responses_body(body)
+        # vLLM's response store is one dict per engine process, shared by every tenant
+        # and lost on restart: nothing is stored (the fields that need the store are
+        # refused by request_shape.check_responses).
+        body["store"] = False
     client_stream_options = "stream_options" in body
     # Ids validated in full and the inline budget checked; no vector data converted yet.
     head = prescan(body, svc.bodies.budget)
-    if is_responses:
-        request_shape.check_responses(body)
-    elif path == engine_api.CHAT_COMPLETIONS:
-        request_shape.check_chat(body)
-    else:
-        request_shape.check_completion(body)
+    if parsed is None:
+        check(body)
     if head.capture is not None and shape is not None:  # 400s before admission
         parse_capture(body["capture"], shape)
         check_up_front(

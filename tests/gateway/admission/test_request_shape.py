@@ -70,21 +70,6 @@ BAD_INPUTS: list[tuple[Any, str]] = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("value", GOOD_INPUTS)
-def test_a_responses_input_that_passes_is_one_vllm_accepts(value: Any) -> None:
-    shape.check_responses({"input": value})
-    protocol = pytest.importorskip("vllm.entrypoints.openai.responses.protocol")
-    protocol.ResponsesRequest.model_validate({"input": value})
-
-
-@pytest.mark.parametrize(("value", "param"), BAD_INPUTS)
-def test_a_bad_responses_input_is_refused_naming_the_field(value: Any, param: str) -> None:
-    with pytest.raises(InvalidField) as refused:
-        shape.check_responses({"input": value})
-    assert refused.value.param == param
-    assert refused.value.message.startswith(f"'{param}'"), refused.value.message
-
-
 def test_responses_needs_input_and_a_string_instructions() -> None:
     for body, param in (({}, "input"), ({"input": "x", "instructions": 5}, "instructions")):
         with pytest.raises(InvalidField) as refused:
@@ -119,18 +104,41 @@ BAD_CHATS: list[tuple[Any, str]] = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("messages", GOOD_CHATS)
-def test_chat_messages_that_pass_are_ones_vllm_accepts(messages: Any) -> None:
-    shape.check_chat({"messages": messages})
-    protocol = pytest.importorskip("vllm.entrypoints.openai.chat_completion.protocol")
-    protocol.ChatCompletionRequest.model_validate({"messages": messages})
+#: Each conversation field: the check that guards it, and vLLM's request model (module,
+#: class) that is the oracle for what passes.
+CONVERSATIONS = {
+    "input": (shape.check_responses, "responses.protocol", "ResponsesRequest"),
+    "messages": (shape.check_chat, "chat_completion.protocol", "ChatCompletionRequest"),
+}
+GOOD = [("input", v) for v in GOOD_INPUTS] + [("messages", v) for v in GOOD_CHATS]
+BAD = [("input", *case) for case in BAD_INPUTS] + [("messages", *case) for case in BAD_CHATS]
 
 
-@pytest.mark.parametrize(("messages", "param"), BAD_CHATS)
-def test_bad_chat_messages_are_refused_naming_the_field(messages: Any, param: str) -> None:
+@pytest.mark.parametrize(("field", "value"), GOOD)
+def test_a_conversation_that_passes_is_one_vllm_accepts(field: str, value: Any) -> None:
+    check, module, model = CONVERSATIONS[field]
+    check({field: value})
+    protocol = pytest.importorskip(f"vllm.entrypoints.openai.{module}")
+    getattr(protocol, model).model_validate({field: value})
+
+
+@pytest.mark.parametrize(("field", "value", "param"), BAD)
+def test_a_bad_conversation_is_refused_naming_the_field(field: str, value: Any, param: str) -> None:
+    check, _, _ = CONVERSATIONS[field]
     with pytest.raises(InvalidField) as refused:
-        shape.check_chat({"messages": messages})
+        check({field: value})
     assert refused.value.param == param
+    assert refused.value.message.startswith(f"'{param}'"), refused.value.message
+
+
+def test_responses_fields_that_need_a_response_store_are_refused() -> None:
+    """vLLM keeps stored responses in one dict per engine process, shared by every tenant:
+    a ``previous_response_id`` could name another tenant's response."""
+    for field, value in (("previous_response_id", "resp_1"), ("background", True)):
+        with pytest.raises(InvalidField) as refused:
+            shape.check_responses({"input": "hi", field: value})
+        assert (refused.value.param, refused.value.code) == (field, "unsupported_parameter")
+    shape.check_responses({"input": "hi", "previous_response_id": None, "background": False})
 
 
 def test_tools_are_objects_with_a_type_and_bounded() -> None:

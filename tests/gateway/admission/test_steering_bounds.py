@@ -12,6 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
+from steergate.gateway.admission import request_shape
 from steergate.gateway.admission.bodies import OFF_LOOP_BYTES, BodyParser, parse_in_worker
 from steergate.gateway.admission.request_scoping import InlineBudget, prescan
 from steergate.shared.errors import InvalidField
@@ -147,6 +148,24 @@ def test_a_large_bad_body_gets_the_same_400_as_a_small_one(
     assert fake_engine.state.requests == []
 
 
+def test_a_large_body_with_several_faults_gets_the_small_ones_first_error(
+    gateway: ServerThread, fake_engine: FakeEngine, redis_url: str
+) -> None:
+    """The worker checks a large body in the route's order (prescan, the request's shape,
+    then its steering), so which fault is named does not depend on the body's size."""
+    key = make_tenant(redis_url, "acme")
+    steering = {"vectors": [{"hook": "post_block", "layers": {"0": [0.25] * 3}}]}  # wrong width
+    errors = []
+    for pad in (0, OFF_LOOP_BYTES + 1000):
+        body = chat(steering, pad=pad)
+        body["messages"].append({"role": 5, "content": "x"})
+        r = post(gateway, key, body)
+        assert r.status_code == 400, r.text
+        errors.append({k: v for k, v in r.json()["error"].items() if k != "request_id"})
+    assert errors[0] == errors[1] and errors[0]["param"] == "messages[1].role", errors
+    assert fake_engine.state.requests == []
+
+
 def test_a_large_latch_keeps_the_steering_the_worker_validated(
     gateway: ServerThread, fake_engine: FakeEngine, redis_url: str
 ) -> None:
@@ -173,6 +192,10 @@ def test_the_worker_answers_errors_as_data_and_bodies_with_their_steering() -> N
     assert parse_in_worker(b'{"a": ', shape, budget)[3] == "invalid_json"
     too_many = b'{"steering": {"vectors": [%s]}}' % _json(term(1, 40_000))
     assert parse_in_worker(too_many, shape, budget)[3] == "steering_too_large"
+    bad_role = b'{"messages": [{"role": 5}]}'
+    assert parse_in_worker(bad_role, shape, budget)[0] == "ok"
+    refused = parse_in_worker(bad_role, shape, budget, request_shape.check_chat)
+    assert refused[:2] == ("error", "messages[0].role")
 
 
 def _json(obj: Any) -> bytes:
