@@ -25,7 +25,8 @@ from steergate.shared.errors import InvalidField
 #: Messages of a chat, or items of a Responses ``input``: far above what a context holds
 #: (each message costs template tokens), far below what costs the engine a second.
 MAX_MESSAGES = 4096
-#: Content parts (and annotations) over the whole conversation.
+#: Content parts (and annotations, a chat message's tool calls and tools) over the whole
+#: conversation.
 MAX_PARTS = 8192
 #: Tools one request may declare, and tool calls one message may carry.
 MAX_TOOLS = 256
@@ -37,7 +38,7 @@ MAX_ENTRIES = 65_536
 OWN_RULES = ("messages", "input", "prompt", "tokens", "steering", "capture")
 
 #: A chat message's string fields besides ``role`` and ``content``.
-MESSAGE_STRINGS = ("name", "tool_call_id", "refusal", "reasoning", "reasoning_content")
+MESSAGE_STRINGS = ("name", "tool_call_id", "refusal", "reasoning", "reasoning_content", "task")
 INPUT_ROLES = ("user", "assistant", "system", "developer")
 #: The Responses input items vLLM serves (``vllm/entrypoints/openai/responses/utils.py``
 #: refuses every other type after validating it).
@@ -69,7 +70,9 @@ class _Budget:
         self.parts += n
         if self.parts > MAX_PARTS:
             raise InvalidField(
-                param, f"'{param}': a conversation has at most {MAX_PARTS} content parts"
+                param,
+                f"'{param}': a conversation has at most {MAX_PARTS} content parts, tool calls "
+                "and tools in all",
             )
 
 
@@ -170,9 +173,14 @@ def _chat_message(message: Any, at: str, budget: _Budget) -> None:
     if not _string(message.get("role"), f"{at}.role"):  # vLLM takes custom roles ("ipython")
         raise InvalidField(f"{at}.role", f"'{at}.role' must not be empty")
     _optional_strings(message, at, MESSAGE_STRINGS)
+    tools = message.get("tools")  # vLLM's custom message: a developer's tools
+    if tools is not None:
+        _tools(tools, f"{at}.tools")
+        budget.take(len(tools), f"{at}.tools")
     calls = message.get("tool_calls")
     if calls is not None:
         _list(calls, f"{at}.tool_calls", MAX_TOOLS)
+        budget.take(len(calls), f"{at}.tool_calls")
         for j, call in enumerate(calls):
             _object(call, f"{at}.tool_calls[{j}]")
             function = call.get("function")
@@ -274,13 +282,13 @@ def _parts(value: Any, at: str, kinds: tuple[str, ...], budget: _Budget) -> None
                 _string(note.get("type"), f"{where}.annotations[{k}].type")
 
 
-def _tools(tools: Any) -> None:
+def _tools(tools: Any, at: str = "tools") -> None:
     if tools is None:
         return
-    _list(tools, "tools", MAX_TOOLS)
+    _list(tools, at, MAX_TOOLS)
     for i, tool in enumerate(tools):
-        _object(tool, f"tools[{i}]")
-        _string(tool.get("type"), f"tools[{i}].type")
+        _object(tool, f"{at}[{i}]")
+        _string(tool.get("type"), f"{at}[{i}].type")
 
 
 def _optional_status(item: Mapping[str, Any], at: str) -> None:

@@ -86,6 +86,8 @@ GOOD_CHATS: list[Any] = [
          {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
      {"role": "tool", "tool_call_id": "c1", "content": "42"}],
     [{"role": "ipython", "content": "a custom role vLLM takes"}],
+    [{"role": "developer", "content": "use these", "task": "t",
+      "tools": [{"type": "function", "function": {"name": "f"}}]}],
 ]  # fmt: skip
 
 BAD_CHATS: list[tuple[Any, str]] = [
@@ -101,6 +103,12 @@ BAD_CHATS: list[tuple[Any, str]] = [
     ([{"role": "user", "content": "x", "name": 5}] * 4096, "messages[0].name"),  # 57,344
     ([{"role": "user", "content": [{"type": "text", "text": "x"}] * 5000}] * 2,
      "messages[1].content"),
+    ([{"role": "tool", "content": "x", "task": 5}] * 4096, "messages[0].task"),  # 40,960
+    ([{"role": "tool", "content": "x", "tools": 5}] * 4096, "messages[0].tools"),  # 40,960
+    ([{"role": "developer", "tools": [{"function": {}}]}], "messages[0].tools[0].type"),
+    ([{"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{}"}}] * 256}] * 40,
+     "messages[32].tool_calls"),  # 10,240 calls in all
 ]  # fmt: skip
 
 
