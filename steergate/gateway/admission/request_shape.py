@@ -183,6 +183,8 @@ def _chat_message(message: Any, at: str, budget: _Budget) -> None:
         budget.take(len(calls), f"{at}.tool_calls")
         for j, call in enumerate(calls):
             _object(call, f"{at}.tool_calls[{j}]")
+            for name in ("id", "type"):  # vLLM requires both (4 errors per call without)
+                _string(call.get(name), f"{at}.tool_calls[{j}].{name}")
             function = call.get("function")
             _object(function, f"{at}.tool_calls[{j}].function")
             for name in ("name", "arguments"):

@@ -107,8 +107,12 @@ BAD_CHATS: list[tuple[Any, str]] = [
     ([{"role": "tool", "content": "x", "tools": 5}] * 4096, "messages[0].tools"),  # 40,960
     ([{"role": "developer", "tools": [{"function": {}}]}], "messages[0].tools[0].type"),
     ([{"role": "assistant", "tool_calls": [
-        {"type": "function", "function": {"name": "f", "arguments": "{}"}}] * 256}] * 40,
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}] * 256}] * 40,
      "messages[32].tool_calls"),  # 10,240 calls in all
+    ([{"role": "assistant", "tool_calls": [{"type": "function", "function": {
+        "name": "f", "arguments": "{}"}}] * 256}] * 32, "messages[0].tool_calls[0].id"),
+    ([{"role": "assistant", "tool_calls": [{"id": "c", "function": {
+        "name": "f", "arguments": "{}"}}]}], "messages[0].tool_calls[0].type"),
 ]  # fmt: skip
 
 
@@ -234,7 +238,7 @@ def test_the_sampling_lists_vllm_checks_per_element_are_checked_in_full() -> Non
 
 
 def test_tool_calls_and_detokenize_tokens_are_checked() -> None:
-    bad_call = {"role": "assistant", "tool_calls": [{"type": "function", "function": {
+    bad_call = {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
         "name": 5, "arguments": "{}"}}]}  # fmt: skip
     with pytest.raises(InvalidField) as refused:
         shape.check_chat({"messages": [bad_call]})
