@@ -171,6 +171,9 @@ _CODES = (
     _e("request_timeout", 408, _B, _GW,
        "the request body was not complete within `STEERGATE_BODY_TIMEOUT_S` (60 s) of its "
        "head; the connection closes. Nothing of the request ran"),
+    _e("headers_too_large", 431, _N, _GW,
+       "a request head with header fields past 64 KiB in all, or more than 128 of them; "
+       "the connection closes. Nothing of the request ran"),
     _e("request_too_large", 413, _N, _BOTH,
        "body larger than `STEERGATE_MAX_BODY_BYTES` (gateway) or than vLLM accepts"),
     _e("unsupported_media_type", 415, _N, _EN,

@@ -16,6 +16,13 @@ a task for ever, and a valid key is enough to open thousands. One timer per conn
   reading the body sees a client that left. A pipelined request waiting behind another
   one's response is not the client's fault: its clock starts again.
 
+A request head is bounded in size and in header count (``MAX_HEAD_BYTES``,
+``MAX_HEADERS``): the parser builds a header value by appending each piece to what it has
+(quadratic in its length) and uvicorn keeps every header, so one connection sending a
+64 MiB header held the event loop for seconds and 20 of them took 800 MB, with no key
+(found from outside). Past either bound the client gets 431 ``headers_too_large`` in the
+error shape and the connection closes; the bytes past the bound are never parsed.
+
 A request the HTTP parser rejects (a control character in a header, a malformed request
 line, a bad chunk size) never reaches the app, so no middleware shapes its answer:
 uvicorn writes ``text/plain`` "Invalid HTTP request received.". Here it is the same 400
@@ -38,6 +45,21 @@ from steergate.shared import errors, request_id
 log = logging.getLogger("steergate.gateway.http")
 
 MALFORMED = "the request is not valid HTTP/1.1 (request line, a header or the body framing)"
+#: Header fields one request may carry (names, values and line endings), in bytes ...
+MAX_HEADER_BYTES = 64 * 1024
+#: ... and in number (a browser sends about 20, a proxy chain adds a few).
+MAX_HEADERS = 128
+#: What one request head may take of the stream: its request line (the URL parser refuses
+#: a target past 64 KiB: a 400) plus its header fields.
+MAX_HEAD_BYTES = 64 * 1024 + 16 + MAX_HEADER_BYTES
+HEAD_TOO_LARGE = (
+    f"the request head is too large: at most {MAX_HEADERS} header fields of "
+    f"{MAX_HEADER_BYTES // 1024} KiB in all"
+)
+
+
+class _HeadTooLarge(Exception):
+    """Raised in a parser callback: the parser stops, uvicorn calls ``send_400_response``."""
 
 
 class GatewayHTTPProtocol(HttpToolsProtocol):
@@ -47,22 +69,59 @@ class GatewayHTTPProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._timer: asyncio.TimerHandle | None = None
+        # Bytes a request head may still take (None while a body or nothing is due), and
+        # the head's header fields so far.
+        self._head_left: int | None = MAX_HEAD_BYTES
+        self._heads_done = 0
+        self._header_count = 0
+        self._header_bytes = 0
+        self._head_too_large = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm(self.head_timeout_s, self._head_timed_out)
 
+    def data_received(self, data: bytes) -> None:
+        left = self._head_left
+        if left is None or len(data) <= left:
+            if left is not None:
+                self._head_left = left - len(data)
+            super().data_received(data)
+            return
+        # More than the head may take: parse what it may take; the rest only if the
+        # head ended within it (a body, or the next request, follows).
+        heads_done = self._heads_done
+        super().data_received(data[:left])
+        if self.transport.is_closing():
+            return
+        if self._heads_done == heads_done:
+            self._refuse_head()
+            return
+        self.data_received(data[left:])
+
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self._header_count = self._header_bytes = 0
         if self._timer is None:
             self._arm(self.head_timeout_s, self._head_timed_out)
 
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_count += 1
+        self._header_bytes += len(name) + len(value) + 4  # ": " and CRLF
+        if self._header_count > MAX_HEADERS or self._header_bytes > MAX_HEADER_BYTES:
+            self._head_too_large = True
+            raise _HeadTooLarge
+        super().on_header(name, value)
+
     def on_headers_complete(self) -> None:
+        self._head_left = None
+        self._heads_done += 1
         super().on_headers_complete()
         self._arm(self.body_timeout_s, self._body_timed_out)
 
     def on_message_complete(self) -> None:
         self._disarm()
+        self._head_left = MAX_HEAD_BYTES
         super().on_message_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -103,8 +162,16 @@ class GatewayHTTPProtocol(HttpToolsProtocol):
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to what its parser refuses (``msg``: uvicorn's words, logged
         by it already), in the project's error shape."""
+        if self._head_too_large:
+            self._refuse_head()
+            return
         self._disarm()
         self._answer_and_close("invalid_request", MALFORMED)
+
+    def _refuse_head(self) -> None:
+        log.info("request head past %d bytes or %d fields: 431", MAX_HEAD_BYTES, MAX_HEADERS)
+        self._disarm()
+        self._answer_and_close("headers_too_large", HEAD_TOO_LARGE)
 
     def _answer_and_close(self, code: str, message: str) -> None:
         """Write a whole error response in the project's shape, then close: the app (if

@@ -196,3 +196,76 @@ def test_a_slow_but_timely_body_and_a_long_answer_are_served(
     assert out.startswith(b"HTTP/1.1 200 "), out[:300]
     assert time.monotonic() - t0 >= BODY_TIMEOUT_S
     assert orjson.loads(out.partition(b"\r\n\r\n")[2])["choices"][0]["message"]["content"]
+
+
+# ------------------------------------------------------------------ large heads
+
+
+def _send_until_closed(port: int, data: bytes, piece: int = 1 << 20) -> tuple[bytes, int]:
+    """Send ``data`` in pieces while the server reads; return what came back and how
+    many bytes were sent before the server closed (all of them if it never did)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sent = 0
+        try:
+            while sent < len(data):
+                sock.sendall(data[sent : sent + piece])
+                sent += piece
+        except OSError:  # the server closed while we were still sending
+            pass
+        out = b""
+        try:
+            while chunk := sock.recv(65536):
+                out += chunk
+        except ConnectionResetError:
+            pass
+    return out, min(sent, len(data))
+
+
+def _refused_431(answer: bytes) -> None:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 431 "), answer[:200]
+    assert b"connection: close" in head
+    error = orjson.loads(body)["error"]
+    assert (error["code"], error["type"]) == ("headers_too_large", "invalid_request_error")
+    assert "128 header fields" in error["message"]
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        # The attack (no key needed): one 64 MiB header held the event loop for seconds
+        # (the parser grows a value by appending each piece) and 20 took 800 MB.
+        b"GET /healthz HTTP/1.1\r\nHost: gw\r\nX-Big: " + b"a" * (64 << 20) + b"\r\n\r\n",
+        # 500,000 tiny headers were all kept and answered 200.
+        b"GET /healthz HTTP/1.1\r\nHost: gw\r\n" + b"A: b\r\n" * 500_000 + b"\r\n",
+        b"GET /healthz HTTP/1.1\r\nHost: gw\r\n" + b"A: b\r\n" * 128 + b"\r\n",  # 129 fields
+        b"GET /healthz HTTP/1.1\r\nHost: gw\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n",
+    ],
+    ids=["64 MiB header", "500,000 headers", "129 headers", "70 KB of fields"],
+)
+def test_a_head_past_its_bounds_gets_431_and_is_not_read_further(
+    gateway_process: GatewayProcess, head: bytes
+) -> None:
+    answer, sent = _send_until_closed(gateway_process.port, head)
+    _refused_431(answer)
+    if len(head) > 8 << 20:  # the server closed long before the client was done
+        assert sent < len(head) // 2, sent
+    assert httpx.get(gateway_process.url + "/healthz", timeout=10).status_code == 200
+
+
+def test_heads_within_the_bounds_are_served_also_pipelined_behind_a_body(
+    gateway_process: GatewayProcess,
+) -> None:
+    """128 fields (126 of 500 bytes: 63 KB in all) are served; so is a request whose head
+    arrives in the same bytes as the 300 KB body before it (a request line is not
+    counted as head bytes of the request before it)."""
+    fields = b"".join(b"X-F%d: %s\r\n" % (i, b"v" * 490) for i in range(126))
+    ok = b"GET /healthz HTTP/1.1\r\nHost: gw\r\n" + fields + b"\r\n"
+    answer = _exchange(gateway_process.port, ok[:-2] + b"Connection: close\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+    body = b'{"model": "m", "messages": [], "pad": "' + b"x" * 300_000 + b'"}'
+    first = _head(None, len(body)) + body  # no key: 401, and its body is read past
+    second = b"GET /healthz HTTP/1.1\r\nHost: gw\r\n" + fields + b"Connection: close\r\n\r\n"
+    answer = _exchange(gateway_process.port, first + second)
+    assert answer.startswith(b"HTTP/1.1 401 "), answer[:200]
+    assert answer.count(b"HTTP/1.1 200 ") == 1, answer[:2000]
