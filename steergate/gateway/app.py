@@ -26,7 +26,7 @@ from steergate.gateway.admission.bodies import BodyParser
 from steergate.gateway.admission.limits import Limiter
 from steergate.gateway.admission.refusals import Refused
 from steergate.gateway.admission.request_scoping import InlineBudget
-from steergate.gateway.admission.settlement import Settler
+from steergate.gateway.admission.settlement import CLIENT_CLOSED, Settler
 from steergate.gateway.deps import Services
 from steergate.gateway.edge import openapi
 from steergate.gateway.edge.body_limit import BodyLimitMiddleware
@@ -281,7 +281,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         # The client went away while its body was being read (or the body bound closed
         # its connection): nothing ran and nobody is listening. Not a server error.
         log.info("client left before its request body was read on %r", request.url.path)
-        return Response(status_code=inference.CLIENT_CLOSED)
+        return Response(status_code=CLIENT_CLOSED)
 
     async def unexpected(request: Request, exc: Exception) -> Response:
         # %r: a decoded path may hold a newline (%0A), which must not start a forged log line.

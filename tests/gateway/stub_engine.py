@@ -10,7 +10,8 @@ test can tell exactly *which* steering a turn got, e.g. that a restored latch st
 like the original. Test knobs in the request body: ``fake_delay`` (seconds before
 answering; a request whose connection closes meanwhile is abandoned, as vLLM aborts
 it), ``fake_chunks`` (a stream of that many one-token chunks), ``fake_break``
-(the stream dies after its first chunk).
+(the stream dies after its first chunk), ``fake_no_chunk_usage`` (no usage on each
+chunk even when ``stream_options.continuous_usage_stats`` asks).
 """
 
 from __future__ import annotations
@@ -263,7 +264,9 @@ async def _events(body: dict[str, Any], chat: bool, text: str) -> AsyncIterator[
             "model": "stub",
             "choices": [delta],
         }
-        if (body.get("stream_options") or {}).get("continuous_usage_stats"):
+        if (body.get("stream_options") or {}).get("continuous_usage_stats") and not body.get(
+            "fake_no_chunk_usage"  # an engine without per-chunk counts: the gateway estimates
+        ):
             chunk["usage"] = {
                 "prompt_tokens": 5,
                 "completion_tokens": i + 1,

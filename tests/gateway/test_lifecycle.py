@@ -12,6 +12,7 @@ import orjson
 import pytest
 
 from steergate.gateway.app import create_app
+from steergate.gateway.store import key_names as keys
 from tests.gateway.conftest import FakeEngine, gateway_settings, make_tenant
 from tests.gateway.routes.test_request_path import CHAT, chat_body, inline, post
 from tests.gateway.servers import ServerThread
@@ -66,7 +67,9 @@ def test_a_stream_left_early_is_charged_its_tool_schemas(
 ) -> None:
     """The chat template writes `tools` into the prompt. A stream whose client left after
     its first event was charged the estimate of the messages alone: 100 KB of tool
-    schemas (about 25k prompt tokens on a real engine) cost 4 tokens."""
+    schemas (about 25k prompt tokens on a real engine) cost 4 tokens. (vLLM counts the
+    prompt on every chunk of a chat stream; this is the estimate the gateway falls back
+    to without that count.)"""
     key = make_tenant(redis_url, "acme")
     schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(50)}}
     tools = [
@@ -74,7 +77,9 @@ def test_a_stream_left_early_is_charged_its_tool_schemas(
         for i in range(60)
     ]
     tool_chars = len(orjson.dumps(tools))
-    body = chat_body(stream=True, fake_chunks=50, tools=tools, tool_choice="none")
+    body = chat_body(
+        stream=True, fake_chunks=50, tools=tools, tool_choice="none", fake_no_chunk_usage=True
+    )
     with httpx.stream(
         "POST", gateway.url + CHAT, json=body, headers={"Authorization": f"Bearer {key}"}
     ) as r:
@@ -124,9 +129,13 @@ def test_client_disconnect_before_the_answer_cancels_the_engine_request(
         assert time.monotonic() < left + 3, "engine request not cancelled / lease kept"
         time.sleep(0.02)
     assert [b["max_tokens"] for b in fake_engine.state.abandoned] == [7]
-    # Released by the settlement, which charged the reservation (prompt estimate + 7).
+    # Released by the settlement, which charged the reservation (prompt estimate + 7)
+    # and counted the 499 it is logged as: a 4xx, so that requests made and responses
+    # add up (found from outside: it was counted in no class at all).
     usage = httpx.get(gateway.url + "/v1/usage", headers={"Authorization": f"Bearer {key}"})
     assert usage.json()["tokens_total"] >= 7
+    total = client.hgetall(keys.usage_total("acme"))
+    assert total.get("4xx") == "1" and "2xx" not in total, total
     assert post(gateway, key, chat_body()).status_code == 200  # concurrency 1 is free again
 
 

@@ -16,12 +16,13 @@ model list, the tokenizer; one request against requests/min and concurrency, no 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Protocol, TypeVar
 
 from steergate.gateway.admission.admitted import Admission
 from steergate.gateway.admission.limits import Limiter
-from steergate.gateway.admission.settlement import Outcome, Settler
+from steergate.gateway.admission.settlement import CLIENT_CLOSED, Outcome, Settler
 from steergate.gateway.tenancy.records import ApiKey, Tenant
 from steergate.shared.errors import APIError
 
@@ -99,8 +100,10 @@ class _Bracket:
         elif isinstance(exc, APIError):
             call.settle(exc.status)
             exc.headers = {**call.headers, **exc.headers}
+        elif isinstance(exc, asyncio.CancelledError):
+            call.settle(CLIENT_CLOSED)  # the client went away: release the lease now
         else:
-            call.settle(0)  # the client went away: release the lease now
+            call.settle(500)  # answered as the internal error it is
 
 
 def admitted(settler: Settler, admission: Awaitable[Admission]) -> _Bracket:

@@ -122,6 +122,7 @@ class Prepared:
     steering: SteeringRequest | None
     spec: LatchSpec | None  # the latch this turn asks to store
     include_usage: bool  # the client asked for the usage chunk itself
+    continuous_usage: bool = False  # ... and for usage in every chunk
 
 
 def prescan(body: dict[str, Any], budget: InlineBudget = InlineBudget()) -> Head:
@@ -261,25 +262,26 @@ def check_latching(
     return steering
 
 
-def _request_options(body: dict[str, Any], head: Head) -> bool:
+def _request_options(body: dict[str, Any], head: Head) -> tuple[bool, bool]:
     """``stream_options`` and ``cache_salt`` checked; whether the client asked for a
-    stream's usage."""
-    asked = None
+    stream's usage, and for usage in every chunk (vLLM's rule: only with the first)."""
+    asked: dict[str, Any] = {}
     if head.stream:
         opts = body.get("stream_options")
         if opts is not None and not isinstance(opts, dict):
             raise InvalidField("stream_options", "'stream_options' must be an object")
-        asked = (opts or {}).get("include_usage")
-        if asked is not None and not isinstance(asked, bool):
-            # Overwritten by prepare_inference: an invalid value would otherwise never
-            # reach vLLM's check.
-            raise InvalidField(
-                "stream_options.include_usage", "'stream_options.include_usage' must be a boolean"
-            )
+        for name in ("include_usage", "continuous_usage_stats"):
+            asked[name] = value = (opts or {}).get(name)
+            if value is not None and not isinstance(value, bool):
+                # Overwritten by prepare_inference: an invalid value would otherwise
+                # never reach vLLM's check.
+                param = f"stream_options.{name}"
+                raise InvalidField(param, f"'{param}' must be a boolean")
     salt = body.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
         raise InvalidField("cache_salt", "'cache_salt' must be a string")
-    return asked is True
+    usage = asked.get("include_usage") is True
+    return usage, usage and asked.get("continuous_usage_stats") is True
 
 
 def prepare_inference(
@@ -308,15 +310,23 @@ def prepare_inference(
                 term["name"] = scope(tenant.id, term["name"])
         if steering.latch:
             spec = latch_spec(steering, tenant.id, vector_digests)
-    include_usage = _request_options(body, head)
+    include_usage, continuous_usage = _request_options(body, head)
     if head.stream:
-        body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        # The stream's usage, and its count so far on every chunk: a stream cut short
+        # (the client left, the engine broke) is charged exactly what was generated
+        # (stream_meter.py). The relay removes what the client did not ask for.
+        body["stream_options"] = {
+            **(body.get("stream_options") or {}),
+            "include_usage": True,
+            "continuous_usage_stats": True,
+        }
     body["cache_salt"] = combined_salt(salt_secret, body.get("cache_salt"))
     return Prepared(
         scope(tenant.id, conv) if conv else None,
         steering,
         spec,
         include_usage,
+        continuous_usage,
     )
 
 

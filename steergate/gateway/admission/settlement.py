@@ -69,10 +69,16 @@ RELEASE_PER_ADMISSION = 64
 MAX_FINISHED = 1024
 
 
+#: The status settled (and logged, and counted in metrics) for a request whose client
+#: disconnected before its answer ended: nginx's "client closed request". Nobody
+#: receives it; ``/v1/usage`` counts it as a 4xx, so requests made and responses add up.
+CLIENT_CLOSED = 499
+
+
 @dataclass(frozen=True)
 class Outcome:
     admission: Admission
-    status: int  # HTTP status the client got (0: client went away before an answer)
+    status: int  # HTTP status the client got (CLIENT_CLOSED: it went away first)
     tokens_used: int  # prompt + completion; -1: unknown (the reservation is charged)
     latch_state: str | None  # the engine's x-steering-latch, if any
     steered: bool = False  # the request carried its own ``steering``

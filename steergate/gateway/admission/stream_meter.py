@@ -7,12 +7,16 @@ usage chunk, and be charged 257. Now it is charged the prompt plus what the rela
 generated:
 
 * exact, where the engine reports usage on every chunk (vLLM's
-  ``stream_options.continuous_usage_stats``: per choice, completion tokens so far);
+  ``stream_options.continuous_usage_stats``: per choice, completion tokens so far).
+  The gateway asks for it on every chat and completions stream (and removes it from
+  the chunks of a client that did not ask), so these are exact;
 * else exact where a chunk carries per-token logprobs;
-* else estimated from the chunk's text at the prompt estimate's rate (one token per
-  4 characters), and never less than one token per chunk with content. Counting
-  chunks alone is not enough: vLLM lets a request ask for ``stream_interval`` N,
-  which puts up to N tokens in each chunk.
+* else (the Responses API's text deltas, an engine that ignores the option) estimated
+  per choice from its text at the prompt estimate's rate (one token per 4 characters
+  of the whole text, not of each chunk: rounding each chunk up charged 1.5 times what
+  was generated, found from outside), and never less than one token per chunk with
+  content. Counting chunks alone is not enough: an engine started with
+  ``--stream-interval`` N puts up to N tokens in each chunk.
 """
 
 from __future__ import annotations
@@ -29,12 +33,21 @@ _TEXT_FIELDS = ("content", "reasoning", "reasoning_content", "refusal")
 
 
 class StreamMeter:
-    __slots__ = ("final", "generated", "prompt")
+    __slots__ = ("chars", "final", "generated", "pieces", "prompt")
 
     def __init__(self) -> None:
         self.final = -1  # total_tokens of the engine's final usage chunk, once seen
         self.prompt = -1  # prompt tokens reported by per-chunk usage, if any
-        self.generated: dict[int, int] = {}  # choice index -> completion tokens so far
+        # choice index -> completion tokens so far, counted (usage, logprobs) ...
+        self.generated: dict[int, int] = {}
+        # ... and the text of the chunks that carried neither: characters, chunks
+        self.chars: dict[int, int] = {}
+        self.pieces: dict[int, int] = {}
+
+    def _text(self, i: int, chars: int) -> None:
+        if chars:
+            self.chars[i] = self.chars.get(i, 0) + chars
+            self.pieces[i] = self.pieces.get(i, 0) + 1
 
     def observe(self, doc: Any) -> None:
         """Account one parsed SSE ``data:`` document."""
@@ -54,19 +67,24 @@ class StreamMeter:
             return
         if not isinstance(choices, list):
             return
-        for choice in choices:
-            if isinstance(choice, dict):
-                n = _tokens_in(choice)
-                if n:
-                    i = _index(choice)
-                    self.generated[i] = self.generated.get(i, 0) + n
         if usage is not None and len(choices) == 1 and isinstance(choices[0], dict):
             # continuous_usage_stats: this choice's completion tokens so far (exact).
             i = _index(choices[0])
             completion = _int(usage.get("completion_tokens"))
-            if completion > self.generated.get(i, 0):
-                self.generated[i] = completion
-            self.prompt = max(self.prompt, _int(usage.get("prompt_tokens")))
+            if completion >= 0:
+                self.generated[i] = max(completion, self.generated.get(i, 0))
+                self.chars.pop(i, None)
+                self.pieces.pop(i, None)
+                self.prompt = max(self.prompt, _int(usage.get("prompt_tokens")))
+                return
+        for choice in choices:
+            if isinstance(choice, dict):
+                i = _index(choice)
+                listed = _listed_tokens(choice)
+                if listed:
+                    self.generated[i] = self.generated.get(i, 0) + listed
+                else:
+                    self._text(i, _chars_in(choice))
 
     def _observe_response_event(self, kind: str, doc: dict[str, Any]) -> None:
         """The Responses API: text deltas while it runs, the usage in its last event."""
@@ -76,10 +94,8 @@ class StreamMeter:
             if isinstance(usage, dict) and _int(usage.get("total_tokens")) >= 0:
                 self.final = _int(usage["total_tokens"])
                 self.prompt = max(self.prompt, _int(usage.get("input_tokens")))
-        elif kind.endswith(".delta") and isinstance(doc.get("delta"), str) and doc["delta"]:
-            i = max(0, _int(doc.get("output_index")))
-            n = max(1, math.ceil(len(doc["delta"]) / CHARS_PER_TOKEN))
-            self.generated[i] = self.generated.get(i, 0) + n
+        elif kind.endswith(".delta") and isinstance(doc.get("delta"), str):
+            self._text(max(0, _int(doc.get("output_index"))), len(doc["delta"]))
 
     def tokens(self, prompt_estimate: Callable[[], int]) -> int:
         """The charge: the engine's final usage if it came, else prompt + generated."""
@@ -90,7 +106,11 @@ class StreamMeter:
         if self.final >= 0:
             return self.final, min(self.final, self.prompt) if self.prompt >= 0 else -1
         prompt = self.prompt if self.prompt >= 0 else prompt_estimate()
-        return prompt + sum(self.generated.values()), prompt
+        estimated = sum(
+            max(self.pieces[i], math.ceil(chars / CHARS_PER_TOKEN))
+            for i, chars in self.chars.items()
+        )
+        return prompt + sum(self.generated.values()) + estimated, prompt
 
 
 def prompt_estimate(content: bytes) -> int:
@@ -106,14 +126,20 @@ def prompt_estimate(content: bytes) -> int:
     )
 
 
-def _tokens_in(choice: dict[str, Any]) -> int:
+def _listed_tokens(choice: dict[str, Any]) -> int:
+    """The tokens a chunk's per-token logprobs list (0 without them)."""
     logprobs = choice.get("logprobs")
     if isinstance(logprobs, dict):
         listed = logprobs.get("content")  # chat: one entry per token
         if not isinstance(listed, list):
             listed = logprobs.get("tokens")  # completions
-        if isinstance(listed, list) and listed:
+        if isinstance(listed, list):
             return len(listed)
+    return 0
+
+
+def _chars_in(choice: dict[str, Any]) -> int:
+    """The characters of generated text a chunk carries."""
     chars = 0
     delta = choice.get("delta")
     if isinstance(delta, dict):
@@ -130,7 +156,7 @@ def _tokens_in(choice: dict[str, Any]) -> int:
     text = choice.get("text")
     if isinstance(text, str):
         chars += len(text)
-    return max(1, math.ceil(chars / CHARS_PER_TOKEN)) if chars else 0
+    return chars
 
 
 def _index(choice: dict[str, Any]) -> int:

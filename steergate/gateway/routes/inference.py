@@ -33,6 +33,7 @@ from steergate.gateway.admission.request_scoping import (
     prescan,
     scrub,
 )
+from steergate.gateway.admission.settlement import CLIENT_CLOSED
 from steergate.gateway.admission.stream_meter import StreamMeter, prompt_estimate
 from steergate.gateway.deps import get_services
 from steergate.gateway.engines.proxy import Turn
@@ -211,9 +212,6 @@ def _usage(doc: Any) -> tuple[int, int]:
     return -1, -1
 
 
-#: The status logged (and counted in metrics) for a request whose client disconnected
-#: before its answer: nginx's "client closed request". Nobody receives it.
-CLIENT_CLOSED = 499
 #: How long a unary answer may take before the gateway starts watching for its client's
 #: disconnect (see ``unless_client_leaves``).
 WATCH_AFTER_S = 0.05
@@ -276,7 +274,7 @@ async def _unary(
         # Charged the reservation: what the engine did before it stopped is unknown (a
         # stream's client that leaves before the first byte is charged the same way).
         log.info("client disconnected before the answer; engine request cancelled")
-        call.settle(0, -1)
+        call.settle(CLIENT_CLOSED, -1)
         return Response(status_code=CLIENT_CLOSED)
     tenant_id = adm.tenant.id
     ok = 200 <= r.status < 300
@@ -342,7 +340,7 @@ async def _stream(
         # Gone before the engine's first byte (a long prefill, a queue): the engine
         # request is cancelled and the slot freed now, as for a unary answer.
         log.info("client disconnected before the stream started; engine request cancelled")
-        call.settle(0, -1)
+        call.settle(CLIENT_CLOSED, -1)
         return Response(status_code=CLIENT_CLOSED)
     cm, up, content = opened
     tenant_id = adm.tenant.id
@@ -387,7 +385,9 @@ async def _stream(
     async def relay() -> AsyncIterator[bytes]:
         try:
             async for event in SseEvents.of(up.chunks()):
-                out, failed = _relay_event(event, prep.include_usage, meter, on_capture, tenant_id)
+                out, failed = _relay_event(
+                    event, prep.include_usage, meter, on_capture, tenant_id, prep.continuous_usage
+                )
                 if out is not None:
                     yield out
                 if failed:
@@ -467,9 +467,11 @@ def _relay_event(
     meter: StreamMeter,
     on_capture: Callable[[Any], None] | None,
     tenant_id: str,
+    client_wants_continuous_usage: bool = False,
 ) -> tuple[bytes | None, int]:
     """One SSE event out (or None to drop it), and the status of an engine's error
-    event (0 otherwise); what it reports goes to ``meter``."""
+    event (0 otherwise); what it reports goes to ``meter``. The usage the gateway asked
+    for and the client did not (the final chunk, the count on every chunk) is removed."""
     event = scrub(event, tenant_id)  # one substring search unless the tenant's ids occur
     # Chat and completions events are one ``data:`` line; the Responses API's start
     # with an ``event:`` line.
@@ -498,4 +500,13 @@ def _relay_event(
             and _total_tokens(doc) >= 0
         ):
             return None, 0  # the usage-only chunk we asked for ourselves
+        if (
+            not client_wants_continuous_usage
+            and data_at == 0
+            and isinstance(doc, dict)
+            and doc.get("choices")
+            and "usage" in doc
+        ):
+            del doc["usage"]  # vLLM leaves an unset field out (exclude_unset)
+            return b"data: " + orjson.dumps(doc) + b"\n\n", 0
     return event + b"\n\n", 0

@@ -51,13 +51,23 @@ async def test_an_api_error_settles_with_its_status_and_carries_the_rate_limit_h
     assert raised.value.headers["x-ratelimit-limit-requests"] == "600"
 
 
-async def test_a_client_that_leaves_releases_the_lease_with_status_0_and_its_charge() -> None:
+async def test_a_client_that_leaves_releases_the_lease_as_499_with_its_charge() -> None:
+    """499, as it is logged: a 4xx in /v1/usage (status 0 was counted in no class)."""
     settler = Settler()
     with pytest.raises(asyncio.CancelledError):
         async with admitted(settler, _admit()) as call:  # type: ignore[arg-type]
             call.tokens, call.prompt_tokens = 12, 4
             raise asyncio.CancelledError
-    assert _settled(settler) == [(0, 12, 4)]
+    assert _settled(settler) == [(499, 12, 4)]
+
+
+async def test_an_unexpected_error_is_settled_as_the_500_it_is_answered() -> None:
+    settler = Settler()
+    with pytest.raises(KeyError):
+        async with admitted(settler, _admit()) as call:  # type: ignore[arg-type]
+            call.tokens, call.prompt_tokens = 12, 4
+            raise KeyError("a bug")
+    assert _settled(settler) == [(500, 12, 4)]
 
 
 async def test_a_handed_off_call_is_left_to_its_response() -> None:

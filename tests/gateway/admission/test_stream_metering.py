@@ -14,7 +14,7 @@ from steergate.gateway.admission.limits import template_tokens
 from steergate.gateway.admission.stream_meter import StreamMeter, prompt_estimate
 from steergate.gateway.routes.inference import _relay_event
 from steergate.gateway.store import key_names as keys
-from tests.gateway.conftest import make_tenant
+from tests.gateway.conftest import FakeEngine, make_tenant
 from tests.gateway.servers import ServerThread
 from tests.harness import redis_client
 
@@ -143,3 +143,81 @@ def test_relay_drops_only_the_usage_chunk_the_gateway_asked_for() -> None:
         0,
     )
     assert meter.tokens(lambda: 0) == 8
+
+
+# -- exact counts: the engine reports them on every chunk ------------------------------
+
+
+def test_a_stream_cut_short_is_charged_exactly_what_the_engine_counted(
+    gateway: ServerThread, fake_engine: FakeEngine, redis_url: str
+) -> None:
+    """Found from outside: a real stream cut after 150 tokens was charged 220, because
+    each 5-8 character token was estimated as two. The gateway now asks vLLM for its
+    count on every chunk (``continuous_usage_stats``), charges the last one relayed, and
+    removes it from the chunks of a client that did not ask for it."""
+    key = make_tenant(redis_url, "acme")
+    body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    with httpx.stream(
+        "POST", gateway.url + CHAT, json={**body, "fake_chunks": 100_000},
+        headers={"Authorization": f"Bearer {key}"},
+    ) as r:  # fmt: skip
+        lines = r.iter_lines()
+        seen = [next(lines) for _ in range(40)]
+    sent = fake_engine.state.requests[-1]["stream_options"]
+    assert sent == {"include_usage": True, "continuous_usage_stats": True}, sent
+    chunks = [orjson.loads(line[6:]) for line in seen if line.startswith("data: {")]
+    assert chunks and all("usage" not in chunk for chunk in chunks), chunks[0]
+    # The engine's 5 prompt tokens, then its count at the last chunk relayed (the relay
+    # may have sent more than the client read before it hung up; the meter's own
+    # arithmetic is checked exactly below).
+    assert _charged(redis_url, "acme", at_least=5 + len(chunks)) >= 5 + len(chunks)
+
+
+def test_a_client_that_asks_for_usage_on_every_chunk_gets_it(
+    gateway: ServerThread, redis_url: str
+) -> None:
+    key = make_tenant(redis_url, "acme")
+    body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+            "fake_chunks": 3}  # fmt: skip
+    auth = {"Authorization": f"Bearer {key}"}
+    for options, per_chunk in (
+        ({"include_usage": True, "continuous_usage_stats": True}, True),
+        ({"include_usage": True}, False),
+        ({"continuous_usage_stats": True}, False),  # vLLM's rule: only with include_usage
+    ):
+        r = httpx.post(gateway.url + CHAT, json={**body, "stream_options": options}, headers=auth)
+        docs = [orjson.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+        with_choices = [d for d in docs if d["choices"]]
+        assert all(("usage" in d) == per_chunk for d in with_choices), (options, docs)
+        assert any(not d["choices"] for d in docs) == options.get("include_usage", False)
+    r = httpx.post(
+        gateway.url + CHAT,
+        json={**body, "stream_options": {"continuous_usage_stats": "yes"}},
+        headers=auth,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == (
+        "stream_options.continuous_usage_stats"
+    )
+
+
+def test_relay_removes_only_the_per_chunk_usage_the_client_did_not_ask_for() -> None:
+    chunk = {**_chunk("hi"), "usage": {"prompt_tokens": 3, "completion_tokens": 1}}
+    meter = StreamMeter()
+    out, _ = _relay_event(_event(chunk), True, meter, None, "acme", False)
+    assert out == _event(_chunk("hi")) + b"\n\n"
+    out, _ = _relay_event(_event(chunk), True, meter, None, "acme", True)
+    assert out == _event(chunk) + b"\n\n"
+    assert meter.tokens(lambda: 99) == 4  # counted from the engine's usage either way
+
+
+def test_text_is_estimated_over_a_choices_whole_text_not_per_chunk() -> None:
+    """Without the engine's count (the Responses API's deltas): 150 chunks of 5
+    characters are 188 tokens at 4 characters a token, not 300 (each rounded up)."""
+    meter = StreamMeter()
+    for _ in range(150):
+        meter.observe(_chunk("quick"))
+    assert meter.tokens(lambda: 0) == 188
+    meter = StreamMeter()
+    for _ in range(150):
+        meter.observe({"type": "response.output_text.delta", "output_index": 0, "delta": "quick"})
+    assert meter.tokens(lambda: 0) == 188
