@@ -97,17 +97,23 @@ class TenantStore:
         limits: Limits | dict[str, Any] | None = None,
         allow_overcommit: bool = False,
     ) -> Tenant:
-        """201-or-409: ids are unique (SET NX); overcommit is checked first."""
+        """201-or-409: ids are unique (SET NX); overcommit is checked first.
+
+        The index (a global key, on another node of a cluster) is written first: a
+        create that fails between the two writes (a node lost) leaves an index entry
+        without a record, which every reader skips and the retry completes. The other
+        order left a tenant that exists but is never listed or counted in the quota
+        sums, and whose retry is 409 (found from outside, on a cluster failover)."""
         check_tenant_id(tenant_id)
         tenant = Tenant(
             id=tenant_id, name=name, limits=as_limits(limits), allow_overcommit=allow_overcommit
         )
         await self._check_overcommit(tenant)
         async with store_errors():
+            await self.redis.sadd(keys.TENANT_INDEX, tenant_id)
             created = await self.redis.set(keys.tenant_record(tenant_id), tenant.record(), nx=True)
             if not created:
                 raise APIError("tenant_exists", f"tenant '{tenant_id}' already exists", param="id")
-            await self.redis.sadd(keys.TENANT_INDEX, tenant_id)
         return tenant
 
     async def get(self, tenant_id: str) -> Tenant | None:
@@ -292,20 +298,30 @@ class TenantStore:
 
     async def revoke_key(self, key_id: str) -> str | None:
         """Revoke a tenant key (every secret it has, a rotated one in its grace period
-        too); returns its tenant id, or None if there is no such key."""
+        too); returns its tenant id, or None if there is no such key.
+
+        The steps touch keys on several nodes of a cluster, so each is safe to repeat and
+        the owner entry, which says the key exists, goes last: a revoke that fails
+        midway (503) has already stopped the secrets it read, and its retry finds the
+        key, finishes the work and answers 204, where it answered 404 with the
+        replicas never told (found from outside, on a cluster failover). The record is
+        taken atomically against a rotation, and the secrets it held are stopped too."""
         async with store_errors():
             owner = await self.redis.get(keys.key_owner(key_id))
             if not owner:
                 return None
             tenant_id, key_hash = owner.split(" ", 1)
-            raw = await self.scripts.run(TakeKey(tenant_id=tenant_id, key_id=key_id))
-            doc = orjson.loads(raw) if raw else {}
-            for h in {key_hash, doc.get("hash"), doc.get("prev_hash")} - {None}:
+            read = await self.redis.hget(keys.tenant_keys(tenant_id), key_id)
+            stopped = {key_hash, *_secrets(read)}
+            for h in stopped:
                 await self.redis.delete(keys.key_lookup(h))
-            await self.redis.delete(keys.key_owner(key_id))
+            taken = await self.scripts.run(TakeKey(tenant_id=tenant_id, key_id=key_id))
+            for h in _secrets(taken) - stopped:  # a rotation ran between the read and here
+                await self.redis.delete(keys.key_lookup(h))
             await self.events.publish(f"key:{key_id}")
+            await self.redis.delete(keys.key_owner(key_id))
         self.cache.drop_key(key_id)
-        return tenant_id if raw else None
+        return tenant_id
 
     async def rotate_key(
         self, key_id: str, grace_s: int = DEFAULT_GRACE_S
@@ -522,3 +538,9 @@ class TenantStore:
 
 def _no_tenant(tenant_id: str) -> APIError:
     return APIError("tenant_not_found", f"no tenant '{tenant_id}'", param="id")
+
+
+def _secrets(raw: str | bytes | None) -> set[str]:
+    """The hashes of the secrets a key record names (current and rotated-out)."""
+    doc = orjson.loads(raw) if raw else {}
+    return {h for h in (doc.get("hash"), doc.get("prev_hash")) if h}

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 import pytest
+from redis import exceptions as redis_exceptions
 
 from steergate.gateway.store import key_names as keys
 from steergate.gateway.tenancy import api_keys as apikeys
@@ -213,3 +214,65 @@ async def test_the_same_store_works_on_the_embedded_fakeredis() -> None:
     await store.create("acme")
     _, key, _ = await store.create_key("acme")
     assert (await store.resolve_key(key)).id == "acme"  # type: ignore[union-attr]
+
+
+class _LosesANode:
+    """A real Redis client whose ``nth`` call among ``methods`` fails, as a call to a
+    cluster node that was just lost does (the calls before it have happened)."""
+
+    def __init__(self, redis: Any, methods: tuple[str, ...], nth: int = 1) -> None:
+        self._redis, self._methods, self._left = redis, methods, nth
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._redis, name)
+        if name not in self._methods:
+            return attr
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            self._left -= 1
+            if self._left == 0:
+                raise redis_exceptions.ConnectionError("node lost")
+            return await attr(*args, **kwargs)
+
+        return call
+
+
+async def test_a_create_that_fails_between_its_writes_is_completed_by_its_retry(
+    store: TenantStore,
+) -> None:
+    """Found from outside on a cluster failover: the record was written, the index (on
+    another node) was not, and the 503's retry was 409. The tenant existed but was never
+    listed nor counted in the quota sums. Whichever write comes second fails here."""
+    flaky = TenantStore(_LosesANode(store.redis, ("set", "sadd"), nth=2), PEPPER)  # type: ignore[arg-type]
+    with pytest.raises(APIError) as failed:
+        await flaky.create("acme")
+    assert failed.value.code == "store_unavailable"
+    assert [t.id for t in await store.list()] == []  # half-made: not a tenant to readers
+    await store.create("acme")  # the retry: 201, not 409
+    assert [t.id for t in await store.list()] == ["acme"]
+
+
+async def test_a_revoke_that_fails_midway_has_stopped_the_key_and_its_retry_is_204(
+    store: TenantStore,
+) -> None:
+    """Found from outside on a cluster failover: the revoke's last step (telling the
+    other replicas) failed, so it answered 503 with the key already gone, and its retry
+    answered 404 (the replicas were never told). Now the key stops authenticating at the
+    first attempt, and the retry finishes the revoke: 204, and the replicas are told."""
+    await store.create("acme")
+    key_id, key, _ = await store.create_key("acme")
+    rotated, new_key = await store.rotate_key(key_id, grace_s=3600)  # type: ignore[misc]
+    flaky = TenantStore(_LosesANode(store.redis, ("publish",)), PEPPER)  # type: ignore[arg-type]
+    with pytest.raises(APIError) as failed:
+        await flaky.revoke_key(key_id)
+    assert failed.value.code == "store_unavailable"
+    assert await store.resolve_key(key) is None  # the secret in its grace: stopped
+    assert await store.resolve_key(new_key) is None
+    told = store.redis.pubsub()
+    await told.subscribe(keys.EVENTS_CHANNEL)
+    await told.get_message(timeout=1)  # the subscription's confirmation
+    assert await store.revoke_key(key_id) == "acme"  # the retry: 204
+    message = await told.get_message(timeout=2)
+    assert message is not None and message["data"] == f"key:{key_id}"
+    await told.aclose()
+    assert await store.revoke_key(key_id) is None  # revoked: now it is gone (404)
