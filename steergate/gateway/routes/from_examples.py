@@ -28,6 +28,7 @@ import numpy as np
 import orjson
 from fastapi import APIRouter, Request, Response
 
+from steergate.gateway.admission.limits import CHARS_PER_TOKEN
 from steergate.gateway.admission.metered import admitted
 from steergate.gateway.admission.request_scoping import combined_salt
 from steergate.gateway.admission.units import format_bytes
@@ -56,6 +57,11 @@ T = TypeVar("T")
 #: layer of a 30-layer, 576-wide model that is 2.2 MB of captured float32. Fewer on a
 #: model whose batch would pass the engine's capture bound (:func:`batch_size`).
 BATCH = 32
+#: ... and at most about this many prompt tokens (4 characters or one id each): the
+#: engine serves other tenants between one request and the next, so this bounds how long
+#: a job holds them up. One request of 32 examples of 8,000 characters held another
+#: tenant's 8-token chat for 70 s on a 2-core CPU engine (found from outside).
+BATCH_TOKENS = 4096
 #: Messages examples templated at once (one ``/tokenize`` call each).
 TOKENIZE_CONCURRENCY = 8
 #: An engine request of BATCH examples on a busy CPU engine may take minutes.
@@ -258,6 +264,23 @@ def batch_size(hidden_size: int, layers: int) -> int:
     return max(1, min(BATCH, MAX_BYTES // per_example))
 
 
+def batches(order: list[int], prompts: list[Prompt], most: int) -> list[list[int]]:
+    """``order`` cut into engine requests of at most ``most`` examples and about
+    :data:`BATCH_TOKENS` prompt tokens (an example longer than that goes alone)."""
+    out: list[list[int]] = []
+    tokens = 0
+    for i in order:
+        prompt = prompts[i]
+        n = len(prompt) if isinstance(prompt, list) else len(prompt) // CHARS_PER_TOKEN + 1
+        if out and len(out[-1]) < most and tokens + n <= BATCH_TOKENS:
+            out[-1].append(i)
+            tokens += n
+        else:
+            out.append([i])
+            tokens = n
+    return out
+
+
 async def _activations(
     svc: Services,
     spec: ExamplesSpec,
@@ -272,9 +295,7 @@ async def _activations(
     # vLLM takes a list of texts or a list of token-id lists, not both in one request.
     order = sorted(range(len(prompts)), key=lambda i: isinstance(prompts[i], list))
     by_example: dict[int, dict[int, np.ndarray]] = {}
-    batch = batch_size(hidden_size, len(spec.layers))
-    for start in range(0, len(order), batch):
-        chunk = order[start : start + batch]
+    for chunk in batches(order, prompts, batch_size(hidden_size, len(spec.layers))):
         kinds = {isinstance(prompts[i], list) for i in chunk}
         for kind in kinds:
             part = [i for i in chunk if isinstance(prompts[i], list) == kind]

@@ -327,6 +327,35 @@ def test_a_batch_fits_the_engines_capture_bound_on_a_wide_deep_model() -> None:
     assert batch_size(576, 30) == BATCH and batch_size(8192, 80) == 25
 
 
+def test_long_examples_go_to_the_engine_in_short_requests(
+    gateway: ServerThread, fake_engine: FakeEngine, redis_url: str
+) -> None:
+    """Found from outside: one request of 4 examples of 8,000 characters held another
+    tenant's 8-token chat for 70 s on a CPU engine, which serves other requests only
+    between a job's requests. Each request now carries about BATCH_TOKENS prompt tokens
+    at most (4 characters a token; an example longer than that goes alone)."""
+    from steergate.gateway.routes.from_examples import BATCH_TOKENS, batches
+
+    key = make_tenant(redis_url, "acme")
+    long_pos = [f"{w} " * 1330 for w in ("ocean", "waves", "tides", "spray")]  # 7,980 chars
+    long_neg = [f"{w} " * 1330 for w in ("citys", "roads", "trams", "walls")]
+    r = make(gateway, key, "long", {"positive": long_pos, "negative": long_neg, "layers": [1]})
+    assert r.status_code == 201, r.text
+    captures = [b["prompt"] for b in fake_engine.state.requests if b.get("capture")]
+    assert [len(p) for p in captures] == [2, 2, 2, 2]  # was [4, 4]
+    assert all(sum(len(t) for t in p) // 4 <= BATCH_TOKENS for p in captures)
+    fake_engine.state.requests.clear()
+    short = [f"the {w}" for w in ("sea", "bay", "tide", "reef")] * 8  # 32 short ones
+    r = make(gateway, key, "short", {"positive": short, "negative": CITY * 8, "layers": [1]})
+    assert r.status_code == 201, r.text
+    captures = [b["prompt"] for b in fake_engine.state.requests if b.get("capture")]
+    assert [len(p) for p in captures] == [32, 32]  # short examples: batched as before
+    texts = ["x" * 6000] * 5 + ["y" * 100] * 3 + ["z" * 20_000]
+    assert batches(list(range(9)), texts, 32) == [[0, 1], [2, 3], [4, 5, 6, 7], [8]]
+    assert batches([0, 1, 2], [[1] * 5000, [2] * 10, [3] * 10], 32) == [[0], [1, 2]]
+    assert batches(list(range(5)), ["a"] * 5, 2) == [[0, 1], [2, 3], [4]]
+
+
 def test_activations_that_are_not_finite_are_never_stored(
     gateway: ServerThread, redis_url: str
 ) -> None:
