@@ -36,6 +36,8 @@ from steergate.shared.scoping import check_vector_name
 from steergate.shared.steering import check_vectors, parse_vector_body
 
 router = APIRouter(tags=["vectors"])
+#: A ``PUT`` body in this media type (matched without case) is a GGUF control vector.
+GGUF_MEDIA_TYPE = "application/octet-stream"
 
 #: Metadata fields a client sees (the rest of the stored record is ours).
 PUBLIC_FIELDS = ("name", "digest", "bytes", "layers", "hook", "description", "updated_at")
@@ -63,7 +65,7 @@ async def put_vector(name: str, request: Request, tenant: TenantDep, svc: Servic
 async def _put_vector(name: str, request: Request, tenant: Tenant, svc: Services) -> Response:
     shape = await svc.engines.known_shape()
     description = None
-    if request.headers.get("content-type", "").split(";")[0].strip() == "application/octet-stream":
+    if request.headers.get("content-type", "").split(";")[0].strip().lower() == GGUF_MEDIA_TYPE:
         try:
             layers = await decode_gguf_off_loop(await request.body())
         except CodecError as exc:

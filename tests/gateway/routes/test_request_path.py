@@ -336,6 +336,14 @@ def test_gguf_upload_is_decoded_and_forwarded_as_packed_float32(
     full = httpx.get(gateway.url + "/v1/steering/vectors/g?include=data", headers=auth).json()
     assert full["name"] == "g" and full["packed"]["layer_indices"] == [1, 2]
     assert httpx.get(gateway.url + "/v1/steering/vectors/nope", headers=auth).status_code == 404
+    # Media types are case-insensitive (RFC 9110 8.3.1): this was read as JSON and refused
+    # as "not valid JSON" (found from outside).
+    r = httpx.put(
+        gateway.url + "/v1/steering/vectors/g2",
+        content=raw,
+        headers={**auth, "content-type": "Application/Octet-Stream; x=1"},
+    )
+    assert r.status_code == 201, r.text
 
 
 # -- failures ----------------------------------------------------------------------------
