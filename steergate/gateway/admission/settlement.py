@@ -304,12 +304,12 @@ class Settler:
         self.dropped = 0
         self.shed = 0
 
-    #: Called with every outcome submitted (the app's metrics: tokens by tenant).
+    #: Called with every outcome Redis has settled (the app's metrics: tokens by tenant),
+    #: so the counters are the numbers the rollups hold: a settlement given up after its
+    #: lease expired was counted there but never charged (found from outside).
     on_outcome: Callable[[Outcome], None] | None = None
 
     def submit(self, outcome: Outcome) -> None:
-        if self.on_outcome is not None:
-            self.on_outcome(outcome)
         if outcome.admission.unmetered:
             return
         self.leases.finish(outcome.admission)
@@ -441,6 +441,8 @@ class Settler:
             else:
                 a = item.outcome.admission
                 self.leases.settled(a.tenant.id, a.lease_id)
+                if self.on_outcome is not None and not isinstance(r, Exception):
+                    self.on_outcome(item.outcome)
         if not failed:
             return []
         at = now_ms()

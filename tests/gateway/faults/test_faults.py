@@ -596,6 +596,8 @@ def test_settlements_are_retried_until_redis_takes_them(fresh: RedisProcess) -> 
         client = connect(fresh.url, 0.3)
         scripts = Scripts.load(client)
         settler = Settler(client, scripts)
+        counted: list[Any] = []  # what the token metrics count: settled in Redis only
+        settler.on_outcome = counted.append
         limiter = Limiter(scripts, settler=settler, redis_timeout_s=0.3)
         stop = asyncio.Event()
         task = asyncio.create_task(settler.run(stop))
@@ -615,8 +617,10 @@ def test_settlements_are_retried_until_redis_takes_them(fresh: RedisProcess) -> 
             settler.submit(_outcome(a))
         await asyncio.sleep(4)  # many more than the old 3 tries
         assert settler.pending() == 5 and settler.retried >= 5
+        assert counted == []  # not in the metrics before Redis has them (found from outside)
         fresh.resume()
         await asyncio.wait_for(settler.drain(), 5)
+        assert len(counted) == 5
         stop.set()
         await task
         await client.aclose()
