@@ -94,7 +94,7 @@ def resolve_turn(
             return Resolution("none")
         if expect is not None and expect.restore is not None:
             return _restore(
-                expect.restore, conversation_id, registry, controller, max_clamps, bound
+                expect.restore, expect, conversation_id, registry, controller, max_clamps, bound
             )
         if expect is not None and expect.latch == "":
             # The system of record holds no latch (never stored, evicted by the tenant's
@@ -105,7 +105,7 @@ def resolve_turn(
             held = controller.get(conversation_id)
             if held is None or held.digest != expect.latch:
                 raise cache_miss("latch_missing", "conversation's latch")
-            _require_vectors((name for name, _ in held.named()), registry)
+            _require_vectors(held.named(), registry, expect)
         used, latch = controller.use(conversation_id, registry.digest_of)
         if latch is None:
             return Resolution(used)
@@ -179,6 +179,7 @@ def combine(
 
 def _restore(
     spec: LatchSpec,
+    expect: Expect,
     conversation_id: str,
     registry: VectorRegistry,
     controller: LatchController,
@@ -189,7 +190,7 @@ def _restore(
     A by-reference term whose vector now has other content makes it stale, exactly as
     :meth:`LatchController.use` would have found."""
     latch = Latch.from_spec(spec)
-    _require_vectors((name for name, _ in latch.named()), registry)
+    _require_vectors(latch.named(), registry, expect)
     if any(registry.digest_of(name) != digest for name, digest in latch.named()):
         controller.delete(conversation_id)
         return Resolution("dropped_stale")
@@ -224,9 +225,16 @@ def check_in_range(
                 )
 
 
-def _require_vectors(names: Iterable[str], registry: VectorRegistry) -> None:
-    if any(registry.get(name) is None for name in names):
-        raise cache_miss("vector_missing", "named vectors of this turn")
+def _require_vectors(
+    named: Iterable[tuple[str, str]], registry: VectorRegistry, expect: Expect
+) -> None:
+    """A latch's named vectors must be here, each with the content the gateway says
+    Redis holds where it says (it may not: a latch recorded before the gateway sent
+    them); else a 409 for the gateway to install them."""
+    for name, _ in named:
+        held = registry.digest_of(name)
+        if held is None or held != expect.vectors.get(name, held):
+            raise cache_miss("vector_missing", "named vectors of this turn")
 
 
 def _refs(

@@ -63,8 +63,9 @@ DROP_STATES: frozenset[str] = frozenset({"refused_oversize", "dropped_stale"})
 
 #: Body field the gateway adds to an inference request; the engine consumes it.
 #: ``{"vectors": {scoped name: digest}, "latch": digest | null, "restore": spec | null}``.
-#: - ``vectors``: the content each named term must have. An engine whose registry lacks
-#:   the name, or holds other content, answers 409 ``vector_missing`` instead of steering.
+#: - ``vectors``: the content each named term must have, the turn's and those of the latch
+#:   it bridges or restores. An engine whose registry lacks the name, or holds other
+#:   content, answers 409 ``vector_missing`` instead of steering.
 #: - ``latch``: the digest of the latch Redis holds for the conversation. An engine that
 #:   holds no latch, or another one, answers 409 ``latch_missing`` instead of generating
 #:   an unsteered turn.

@@ -59,6 +59,13 @@ class LatchSpec:
     def digest(self) -> str:
         return latch_digest(self.phase, self.sites, self.refs, self.clamps)
 
+    def named(self) -> list[tuple[str, str]]:
+        """(engine-side name, digest) of every by-reference term, adds and clamps: the
+        vectors the latch steers with, as they were when it was made."""
+        return [(r[0], r[1]) for r in self.refs] + [
+            c.ref for c in self.clamps if c.ref is not None
+        ]
+
     def encode(self) -> str:
         doc: dict[str, Any] = {
             "v": VERSION,

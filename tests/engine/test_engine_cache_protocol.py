@@ -246,3 +246,51 @@ async def test_a_bad_restore_or_expectation_is_refused_naming_the_field_it_came_
         r = await post(client, conversation_id="t~c", **{EXPECT_FIELD: {"vectors": vectors}})
         assert r.status_code == 400 and r.json()["error"]["param"] == f"{EXPECT_FIELD}.vectors"
     assert plugin.runtime.get().controller.get("t~c") is None and seen == []
+
+
+async def test_bridging_a_latch_checks_its_vectors_against_what_the_gateway_expects(
+    env,  # noqa: F811
+) -> None:
+    """The gateway sends the digests Redis holds for the vectors a latch steers with: an
+    engine whose copy of one is other content (it missed a write) answers 409
+    ``vector_missing`` instead of bridging with it; once it holds Redis's content, a
+    latch made with other content is ``dropped_stale``."""
+    client, seen, plugin = env
+    old = await put_vector(client, "t~calm", 0.25)
+    r = await post(
+        client, conversation_id="t~c", steering={"vectors": [{"name": "t~calm"}], "latch": True}
+    )
+    assert r.headers["x-steering-latch"] == "latched"
+    latch = plugin.runtime.get().controller.get("t~c").digest
+    n = len(seen)
+    expect = {"latch": latch, "vectors": {"t~calm": "0" * 64}}  # Redis holds other content
+    r = await post(client, conversation_id="t~c", **{EXPECT_FIELD: expect})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "vector_missing"
+    assert len(seen) == n and plugin.runtime.get().controller.get("t~c") is not None
+    # as it was: bridged
+    expect = {"latch": latch, "vectors": {"t~calm": old}}
+    r = await post(client, conversation_id="t~c", **{EXPECT_FIELD: expect})
+    assert r.headers["x-steering-latch"] == "bridged"
+    # the gateway installs Redis's content: the latch is stale
+    current = await put_vector(client, "t~calm", 0.75)
+    expect = {"latch": latch, "vectors": {"t~calm": current}}
+    r = await post(client, conversation_id="t~c", **{EXPECT_FIELD: expect})
+    assert r.headers["x-steering-latch"] == "dropped_stale"
+
+
+async def test_a_restore_checks_its_vectors_before_finding_the_latch_stale(
+    env,  # noqa: F811
+) -> None:
+    """A restore whose vector this engine holds with other content than Redis's is a
+    miss (install, then restore), not ``dropped_stale``: the latch is valid."""
+    client, seen, plugin = env
+    current = await put_vector(client, "t~calm", 0.75)
+    await put_vector(client, "t~calm", 0.25)  # this engine's copy is behind Redis
+    spec = LatchSpec("all", {}, (("t~calm", current, 1.0),))
+    expect = {"latch": spec.digest, "vectors": {"t~calm": current}, "restore": spec.encode()}
+    r = await post(client, conversation_id="t~c", **{EXPECT_FIELD: expect})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "vector_missing"
+    assert plugin.runtime.get().controller.get("t~c") is None and seen == []
+    await put_vector(client, "t~calm", 0.75)  # what the gateway installs from Redis
+    r = await post(client, conversation_id="t~c", **{EXPECT_FIELD: expect})
+    assert r.status_code == 200 and r.headers["x-steering-latch"] == "restored"

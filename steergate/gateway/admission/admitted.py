@@ -19,13 +19,16 @@ class Admission:
     reserved_tokens: int
     conversation_id: str | None
     latch: bool
-    #: The conversation's ledger entry before this request ("bytes:kind[:digest]", "").
+    #: The conversation's ledger entry before this request (``LatchEntry``; "" for none).
     prev_latch: str
     evicted: list[str]
     headers: dict[str, str] = field(default_factory=dict)
     unmetered: bool = False
     #: Current content digest of each named vector the request uses ("" = no such vector).
     vector_digests: dict[str, str] = field(default_factory=dict)
+    #: Current content digest of each named vector the conversation's recorded latch
+    #: steers with (``LatchEntry.names``; "" = deleted since).
+    latch_vector_digests: dict[str, str] = field(default_factory=dict)
     #: When the lease expires unless renewed (ms, this gateway's clock).
     lease_expiry_ms: int = 0
     #: The API key that made the request ("" for none): its rollups and its own limits.

@@ -264,6 +264,13 @@ class Limiter:
             raise _rejection(status, tenant, int(r[1]), headers, key_rpm, key_conc)
         digests = {n: str(d or "") for n, d in zip(names, r[7 : 7 + n_names], strict=True)}
         prev = str(r[6] or "")
+        # then the current digests of the vectors the conversation's latch steers with
+        refs = keys.LatchEntry.parse(prev).names
+        ref_digests = {
+            n: str(d or "")
+            for n, d in zip(refs, r[7 + n_names : 7 + n_names + len(refs)], strict=True)
+        }
+        n_names += len(refs)
         n_evicted = int(r[7 + n_names]) if len(r) > 7 + n_names else 0
         evicted = [str(v) for v in r[8 + n_names : 8 + n_names + n_evicted]]
         # admit_request.lua plans no latch for one naming a vector the tenant lacks
@@ -279,6 +286,7 @@ class Limiter:
             evicted_latches=_saved_latches(evicted, r[8 + n_names + len(evicted) :]),
             headers=headers,
             vector_digests=digests,
+            latch_vector_digests=ref_digests,
             lease_expiry_ms=expiry_ms,
             key_id=key_id,
             left_latch=_left_latch(prev, latch_bytes, latch_kind) if planned else prev,

@@ -33,6 +33,10 @@ log = logging.getLogger("steergate.gateway.engines")
 #: Background engine deletes queued at once; past it they are shed, never awaited on a
 #: request (the periodic engine sync removes what a shed delete would have).
 MAX_BACKGROUND = 1024
+#: How long one engine may take to answer a cache write (a vector install or a delete:
+#: milliseconds of work). One that takes longer is hung: it is marked dirty, as for any
+#: missed write, and the client's request goes on without it.
+WRITE_TIMEOUT_S = 10.0
 
 
 class EngineClient:
@@ -159,8 +163,16 @@ class EngineClient:
     async def _write(
         self, engine: Engine, method: str, path: str, body: bytes | None, ok: tuple[int, ...]
     ) -> bool:
+        """One cache write to one engine; False (and the engine dirty) when it did not
+        take it. An engine the poller has found down is not waited for: it is synced
+        from Redis when it is back, whatever it missed meanwhile."""
+        if not engine.healthy:
+            self._missed(engine, method, "engine down")
+            return False
         try:
-            r = await self.pool.request(method, path, engine=engine, content=body)
+            r = await self.pool.request(
+                method, path, engine=engine, content=body, timeout_s=WRITE_TIMEOUT_S
+            )
         except APIError as exc:
             self._missed(engine, method, exc.code)
             return False

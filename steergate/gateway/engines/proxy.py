@@ -90,17 +90,22 @@ class Turn:
         if self.adm.unmetered:  # fail-open without Redis: the engine decides alone
             return {}
         expect: dict[str, Any] = {}
-        if self.head.names:
-            expect["vectors"] = {
-                scope(self.tenant_id, n): self.adm.vector_digests.get(n, "")
-                for n in self.head.names
-            }
+        vectors = {
+            scope(self.tenant_id, n): self.adm.vector_digests.get(n, "") for n in self.head.names
+        }
         if self.head.conversation_id and not self.head.steered:
             if not self.adm.prev_latch:
                 expect["latch"] = ""  # Redis holds none: the engine must not bridge
             elif self.adm.latch_digest:
                 expect["latch"] = self.adm.latch_digest
+                # What the latch's vectors hold now: an engine that missed a write to
+                # one installs it from Redis, then finds the latch stale, or bridges
+                # with the content Redis holds; never with its own old copy.
+                for n, digest in self.adm.latch_vector_digests.items():
+                    vectors[scope(self.tenant_id, n)] = digest
             # else: another turn is storing this latch right now; the engine decides.
+        if vectors:
+            expect["vectors"] = vectors
         return expect
 
     def content(self) -> bytes:
@@ -175,13 +180,8 @@ class Turn:
             if spec is not None:
                 decoded = self._spec  # decoded by _load_spec (None: undecodable)
                 # By-reference adds and clamps alike name vectors the engine needs.
-                scoped_names = (
-                    [r[0] for r in decoded.refs]
-                    + [c.ref[0] for c in decoded.clamps if c.ref is not None]
-                    if decoded is not None
-                    else []
-                )
-                for scoped in scoped_names:
+                named = decoded.named() if decoded is not None else []
+                for scoped, _ in named:
                     local = unscope(self.tenant_id, scoped)
                     if local is not None:
                         names[local] = None
@@ -254,7 +254,12 @@ class Turn:
         spec = self.prep.spec
         if spec is None or engine_state not in KEEP_STATES or not self.head.conversation_id:
             return
-        info = str(keys.LatchEntry(spec.nbytes, spec.kind, spec.digest))
+        names = (unscope(self.tenant_id, scoped) for scoped, _ in spec.named())
+        info = str(
+            keys.LatchEntry(
+                spec.nbytes, spec.kind, spec.digest, tuple(dict.fromkeys(n for n in names if n))
+            )
+        )
         try:
             async with store_errors():
                 orphaned = await self.scripts.run(

@@ -23,7 +23,7 @@ import orjson
 from steergate.gateway.engines.client import EngineClient
 from steergate.gateway.engines.upstream import Engine
 from steergate.gateway.store import key_names as keys
-from steergate.gateway.store.connection import Redis
+from steergate.gateway.store.connection import Redis, store_errors
 from steergate.shared.errors import APIError
 from steergate.shared.scoping import SEPARATOR
 
@@ -94,9 +94,37 @@ class EngineSync:
 
     async def sync_tenant(self, tenant_id: str) -> None:
         """After a tenant is deleted: remove its state from every engine now; an engine
-        that is down is dirty and loses the rest in its sync when it is back."""
+        that is down is dirty and loses the rest in its sync when it is back (it is not
+        waited for)."""
         for engine in self.engines.engines:
-            await self.sync(engine, tenant_id)
+            if engine.healthy:
+                await self.sync(engine, tenant_id)
+            else:
+                engine.dirty = True
+
+    async def offer_vector(self, tenant_id: str, name: str, body: bytes | None) -> None:
+        """Put a vector just written to Redis (``body``: its data; None: deleted) on
+        every engine, then read Redis again. Another write to the name (a concurrent
+        request, another gateway) may have reached an engine before this one's did,
+        leaving the engine with content Redis no longer holds: the write Redis holds now
+        is then offered again, until the two agree. At most three rounds: an engine left
+        with other content is still never steered by it (every turn tells it the digest
+        Redis holds, ``steergate_expect``), only a cache miss later. Never fails: the
+        vector is stored whatever the engines do."""
+        for _ in range(3):
+            if body is None:
+                await self.engines.delete_vector_everywhere(tenant_id, name)
+            else:
+                await self.engines.put_vector_everywhere(tenant_id, name, body)
+            try:
+                async with store_errors():
+                    now = await self.redis.hget(keys.vector_data(tenant_id), name)
+            except APIError:
+                return  # the engines' copies are checked on every use regardless
+            held = now.encode() if isinstance(now, str) else now
+            if held == body:
+                return
+            body = held
 
     async def _extra(
         self, tenant_id: str, held: dict[str, list[tuple[str, str, str]]]

@@ -130,7 +130,7 @@ async def store_vector(
     if int(status):
         raise _over_quota(lim)
     # Stored: the tenant's vector exists from here on, whatever the engines do.
-    await svc.engines.put_vector_everywhere(tenant.id, name, body)
+    await svc.sync.offer_vector(tenant.id, name, body)
     return meta, bool(prev)
 
 
@@ -196,5 +196,5 @@ async def delete_vector(name: str, tenant: TenantDep, svc: ServicesDep) -> Respo
         )
     if not removed:
         raise _not_found(name)
-    await svc.engines.delete_vector_everywhere(tenant.id, name)
+    await svc.sync.offer_vector(tenant.id, name, None)
     return Response(status_code=204)

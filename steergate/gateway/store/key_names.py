@@ -133,30 +133,47 @@ def key_leases(tenant_id: str, key_id: str) -> str:
 
 
 def latch_info(tenant_id: str) -> str:
-    """Hash client conversation_id -> "<bytes>:<value|ref>[:<latch digest>]" (the digest
-    is written once the engine has stored the latch, with its spec)."""
+    """Hash client conversation_id -> "<bytes>:<value|ref>[:<latch digest>[:<names>]]"
+    (:class:`LatchEntry`; the digest and names are written once the engine has stored the
+    latch, with its spec)."""
     return _t(tenant_id, "latch:info")
 
 
 @dataclass(frozen=True)
 class LatchEntry:
-    """One value of :func:`latch_info`: ``"<bytes>:<kind>[:<digest>]"``. The Lua
-    scripts read it with their own ``bytes_of``; Python reads it only here."""
+    """One value of :func:`latch_info`: ``"<bytes>:<kind>[:<digest>[:<names>]]"``.
+    ``names``: the tenant's vectors the latch steers with (comma-separated client names,
+    which never hold ``:`` or ``,``), so admission returns their current digests in its
+    one call and the engine is told what content to bridge with. The Lua scripts read it
+    with their own patterns; Python reads it only here."""
 
     nbytes: int = 0
     kind: str = "ref"
     #: "" until the engine has stored the latch and the gateway recorded it.
     digest: str = ""
+    #: The named vectors the latch references (adds and clamps), in first-use order.
+    names: tuple[str, ...] = ()
 
     @classmethod
     def parse(cls, info: str | None) -> LatchEntry:
         """The entry ``info`` holds; ``None`` or "" (no latch) is zero bytes."""
         head, _, rest = (info or "").partition(":")
-        kind, _, digest = rest.partition(":")
-        return cls(int(head) if head.isdigit() else 0, kind or "ref", digest)
+        kind, _, rest = rest.partition(":")
+        digest, _, names = rest.partition(":")
+        return cls(
+            int(head) if head.isdigit() else 0,
+            kind or "ref",
+            digest,
+            tuple(n for n in names.split(",") if n),
+        )
 
     def __str__(self) -> str:
-        return f"{self.nbytes}:{self.kind}" + (f":{self.digest}" if self.digest else "")
+        out = f"{self.nbytes}:{self.kind}"
+        if self.digest:
+            out += f":{self.digest}"
+            if self.names:
+                out += ":" + ",".join(self.names)
+        return out
 
 
 def latch_bytes(tenant_id: str) -> str:

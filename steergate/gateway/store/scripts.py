@@ -317,7 +317,7 @@ class KeepLatch(_LatchCall):
 
     script: ClassVar[str] = "keep_latch"
     conversation_id: str
-    info: str  # "bytes:kind:digest"
+    info: str  # "bytes:kind:digest[:names]" (key_names.LatchEntry)
     spec: str
 
     def argv(self) -> list[Any]:

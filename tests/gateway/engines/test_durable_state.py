@@ -10,12 +10,18 @@ mean bit-identical steering.
 
 from __future__ import annotations
 
+import asyncio
+import json
+import socket
+import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import pytest
 
+from steergate.gateway.engines import client as engine_client
 from steergate.gateway.store import key_names as keys
 from steergate.shared.scoping import scope
 from tests.gateway.conftest import ADMIN_KEY, FakeEngine, make_tenant, start_stub_engine
@@ -397,6 +403,112 @@ def test_a_new_engine_gets_vectors_registered_before_it_joined(
     assert "acme~calm" in second.state.vectors
 
 
+def conv_on(gw: ServerThread, tenant: str, target: FakeEngine, engines: list[FakeEngine]) -> str:
+    """A conversation id that ``gw`` routes to ``target``."""
+    return next(f"c{i}" for i in range(1000) if owner(gw, tenant, f"c{i}", engines) is target)
+
+
+def by_name(name: str) -> dict[str, Any]:
+    return {"vectors": [{"name": name}], "latch": True}
+
+
+def test_an_engine_that_missed_a_vector_write_never_bridges_a_latch_with_the_old_content(
+    start_gateway: Any, engines: list[FakeEngine], redis_url: str
+) -> None:
+    """Found from outside: a gateway replica that could not reach engine B replaced
+    ``v``; the other replica's turns on B, latched by name to ``v``, were bridged with the
+    old vector. The latch's vectors now come with the digests Redis holds (admission
+    reads them with the latch's entry), so B installs the new content and finds the latch
+    stale, as a restart would have."""
+    a, b = start_engines(engines, 2)
+    gw1 = start_gateway(engine_urls=f"{a.url},{b.url}", **FAST_POLL)
+    gw2 = start_gateway(engine_urls=a.url, **FAST_POLL)  # a replica that cannot reach B
+    wait_for(lambda: all(not e.dirty for e in gw1.app.state.services.engines.engines), 5)
+    key = make_tenant(redis_url, "acme")
+    assert put_vector(gw1, key, "v", 0.25).status_code == 201
+    conv = conv_on(gw1, "acme", b, engines)
+    latched = text(chat(gw1, key, conversation_id=conv, steering=by_name("v")))
+    assert chat(gw1, key, conversation_id=conv).headers["x-steering-latch"] == "bridged"
+    old = b.state.vectors["acme~v"]["digest"]
+
+    assert put_vector(gw2, key, "v", 0.75).status_code == 200  # B never hears of it
+    assert b.state.vectors["acme~v"]["digest"] == old  # B is behind Redis now
+    r = chat(gw1, key, conversation_id=conv)
+    assert r.headers["x-steering-latch"] == "dropped_stale", text(r)
+    assert text(r) == "echo" != latched
+    current = redis_client(redis_url).hget(keys.vectors("acme"), "v")
+    assert b.state.vectors["acme~v"]["digest"] == json.loads(current)["digest"] != old
+    assert chat(gw1, key, conversation_id=conv).headers["x-steering-latch"] == "none"
+
+
+def test_a_latch_made_with_the_current_vector_survives_a_move_to_an_engine_that_missed_it(
+    start_gateway: Any, engines: list[FakeEngine], redis_url: str
+) -> None:
+    """The other side of the same race: a latch made on A with ``v``'s new content,
+    whose conversation moves to B (A went down), which still held the old content. B
+    used to find it stale against its own copy and drop a valid latch; now it installs
+    Redis's ``v`` and restores the latch, steering exactly as on A."""
+    a, b = start_engines(engines, 2)
+    gw1 = start_gateway(engine_urls=f"{a.url},{b.url}", **FAST_POLL)
+    gw2 = start_gateway(engine_urls=a.url, **FAST_POLL)
+    wait_for(lambda: all(not e.dirty for e in gw1.app.state.services.engines.engines), 5)
+    key = make_tenant(redis_url, "acme")
+    assert put_vector(gw1, key, "v", 0.25).status_code == 201
+    assert put_vector(gw2, key, "v", 0.75).status_code == 200  # B keeps 0.25
+    conv = conv_on(gw1, "acme", a, engines)
+    latched = text(chat(gw1, key, conversation_id=conv, steering=by_name("v")))
+    assert latched != "echo"
+
+    stop(a)
+    r = chat(gw1, key, conversation_id=conv)
+    assert r.headers["x-steering-latch"] == "restored", text(r)
+    assert text(r) == latched
+    assert chat(gw1, key, conversation_id=conv).headers["x-steering-latch"] == "bridged"
+
+
+def test_concurrent_vector_writes_leave_every_engine_with_what_redis_holds(
+    start_gateway: Any, engines: list[FakeEngine], redis_url: str
+) -> None:
+    """Found from outside: two PUTs of one name at once (X, then Y) could reach an engine
+    in the other order, leaving it with X while Redis holds Y, and not marked dirty.
+    Forced here: X's engine install is held back until Y has been written everywhere.
+    After its install a write reads Redis again and offers what Redis holds."""
+    (a,) = start_engines(engines, 1)
+    gw = start_gateway(engine_urls=a.url, **FAST_POLL)
+    key = make_tenant(redis_url, "acme")
+    client = redis_client(redis_url)
+    svc = gw.app.state.services
+    original = svc.engines.put_vector_everywhere
+    go_on = threading.Event()
+
+    async def late_x(tenant_id: str, name: str, body: bytes) -> None:
+        if b'"description":"x"' in body:
+            await asyncio.to_thread(go_on.wait, 20)
+        await original(tenant_id, name, body)
+
+    svc.engines.put_vector_everywhere = late_x
+    auth = {"Authorization": f"Bearer {key}"}
+
+    def put(value: float, label: str) -> httpx.Response:
+        body = {"hook": "post_block", "layers": {"1": [value] * 8}, "description": label}
+        return httpx.put(gw.url + "/v1/steering/vectors/v", json=body, headers=auth, timeout=30)
+
+    def digest_in_redis() -> str | None:
+        meta = client.hget(keys.vectors("acme"), "v")
+        return json.loads(meta)["digest"] if meta else None
+
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(put, 0.25, "x")
+        wait_for(lambda: digest_in_redis() is not None, 10)  # X stored, install held
+        assert put(0.75, "y").status_code == 200  # Y stored and installed
+        y = digest_in_redis()
+        assert a.state.vectors["acme~v"]["digest"] == y
+        go_on.set()  # now X's install lands, after Y's
+        assert first.result(timeout=30).status_code == 201
+    assert digest_in_redis() == y
+    assert a.state.vectors["acme~v"]["digest"] == y
+
+
 def test_tenant_delete_with_an_engine_down_leaves_no_trace_after_it_returns(
     start_gateway: Any, engines: list[FakeEngine], redis_url: str
 ) -> None:
@@ -425,6 +537,68 @@ def test_tenant_delete_with_an_engine_down_leaves_no_trace_after_it_returns(
 
     wait_for(clean, 5)
     assert any(k.startswith("other~") for e in engines for k in e.state.vectors)
+
+
+@pytest.fixture()
+def hung_engine_url() -> Iterator[str]:
+    """An engine that is SIGSTOPped: the kernel takes connections, nothing answers."""
+    with socket.create_server(("127.0.0.1", 0), backlog=128) as sock:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def test_an_engine_found_down_holds_no_vector_write_and_no_tenant_delete(
+    start_gateway: Any, engines: list[FakeEngine], redis_url: str, hung_engine_url: str
+) -> None:
+    """Found from outside: with one engine hung (SIGSTOP) and already marked down, a
+    vector PUT or DELETE, and a tenant delete, each waited on it up to the engine read
+    timeout (600 s). Writes now skip an engine the poller found down: it is dirty, and
+    synced from Redis when it is back."""
+    (a,) = start_engines(engines, 1)
+    gw = start_gateway(
+        engine_urls=f"{a.url},{hung_engine_url}",
+        reconcile_interval_s=0.2,
+        engine_sync_interval_s=3600.0,
+    )
+    hung = next(e for e in gw.app.state.services.engines.engines if e.url == hung_engine_url)
+    wait_for(lambda: not hung.healthy, 15)
+    key = make_tenant(redis_url, "acme")
+    auth = {"Authorization": f"Bearer {key}"}
+    assert put_vector(gw, key, "v", 0.25).status_code == 201  # timeout=10 s
+    assert "acme~v" in a.state.vectors and hung.dirty
+    chat(gw, key, conversation_id="c", steering=by_name("v"))
+    r = httpx.delete(gw.url + "/v1/steering/vectors/v", headers=auth, timeout=10)
+    assert r.status_code == 204 and "acme~v" not in a.state.vectors
+    r = httpx.delete(
+        gw.url + "/admin/tenants/acme",
+        headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+        timeout=10,
+    )
+    assert r.status_code == 204
+    assert not any(k.startswith("acme~") for k in (*a.state.latches, *a.state.vectors))
+
+
+def test_an_engine_that_hangs_before_the_poller_notices_holds_a_write_seconds_not_minutes(
+    start_gateway: Any,
+    engines: list[FakeEngine],
+    redis_url: str,
+    hung_engine_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An engine still thought healthy that does not answer a cache write is given up
+    after ``WRITE_TIMEOUT_S`` (10 s; 0.5 s here) and marked dirty, as for any missed
+    write: the vector is stored and installed on the others."""
+    monkeypatch.setattr(engine_client, "WRITE_TIMEOUT_S", 0.5)
+    (a,) = start_engines(engines, 1)
+    gw = start_gateway(
+        engine_urls=f"{a.url},{hung_engine_url}",
+        reconcile_interval_s=3600.0,
+        engine_sync_interval_s=3600.0,
+    )
+    hung = next(e for e in gw.app.state.services.engines.engines if e.url == hung_engine_url)
+    key = make_tenant(redis_url, "acme")
+    hung.healthy, hung.dirty = True, False  # as if it hung just now
+    assert put_vector(gw, key, "v", 0.25).status_code == 201  # timeout=10 s
+    assert "acme~v" in a.state.vectors and hung.dirty
 
 
 # -- sync and the hot path -------------------------------------------------------------

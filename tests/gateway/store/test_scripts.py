@@ -206,7 +206,12 @@ def test_the_tenant_generation_check_runs_first_in_every_tenant_call() -> None:
 
 @pytest.mark.parametrize(
     "entry",
-    [keys.LatchEntry(96, "value", "d1"), keys.LatchEntry(0, "ref"), keys.LatchEntry(7, "ref")],
+    [
+        keys.LatchEntry(96, "value", "d1"),
+        keys.LatchEntry(0, "ref"),
+        keys.LatchEntry(7, "ref"),
+        keys.LatchEntry(32, "ref", "d2", ("calm", "x.y-1_Z")),
+    ],
 )
 async def test_latch_entries_read_the_same_in_python_and_in_keep_latch_lua(
     entry: keys.LatchEntry,

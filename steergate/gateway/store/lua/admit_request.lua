@@ -41,6 +41,8 @@
 -- Returns {status, retry_ms, req_remaining, req_reset_ms, tok_remaining, tok_reset_ms,
 --          latch_info of the conversation before this request ("" if none),
 --          N digests of the named vectors ("" where the tenant has no such vector),
+--          R digests of the vectors the latch before this request references (R: the
+--          names in its entry, see key_names.LatchEntry; "" where deleted),
 --          E, E evicted conv ids, then per evicted conv its last use, ledger entry and
 --          spec, or "" "" "" where it was no recorded latch (a pending entry): the
 --          gateway hands them back to settle_request.lua should the turn not keep its
@@ -135,8 +137,15 @@ local function digest_of(name)
   return string.match(redis.call("HGET", KEYS[10], name) or "", '"digest":"(%x+)"') or ""
 end
 
+-- The named vectors of the request, then those the conversation's recorded latch steers
+-- with (its entry's names, "bytes:kind:digest:a,b"): their current digests, so the
+-- engine bridges only with the content Redis holds.
 local function named_digests(out)
   for i = 1, n_vec do out[#out + 1] = digest_of(ARGV[25 + i]) end
+  local refs = string.match(prev, "^%d+:%a+:[^:]+:(.+)$")
+  if refs then
+    for name in string.gmatch(refs, "[^,]+") do out[#out + 1] = digest_of(name) end
+  end
   return out
 end
 

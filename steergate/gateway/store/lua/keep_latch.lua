@@ -2,7 +2,7 @@
 -- before the turn's answer reaches the client, so the next turn can restore it anywhere.
 -- KEYS[1] latches ZSET   KEYS[2] latch info HASH   KEYS[3] latch bytes STRING
 -- KEYS[4] latch specs HASH
--- ARGV[1] conversation id (client form)   ARGV[2] info "bytes:kind:digest"   ARGV[3] spec
+-- ARGV[1] conversation id (client form)   ARGV[2] info "bytes:kind:digest[:names]"   ARGV[3] spec
 -- Returns 0 when recorded; 1 when the conversation is no longer in the ledger (the
 -- tenant's quota evicted it while the turn ran): the caller drops it on the engine.
 -- Behind prelude/tenant_generation.lua: refused, with nothing written, for a deleted tenant.

@@ -4,7 +4,7 @@
 -- within one TTL, however long requests may run.
 --
 -- KEYS[1] leases (ZSET id -> expiry ms)   KEYS[2] latches (ZSET conv -> last use ms)
--- KEYS[3] latch info (HASH conv -> "bytes:kind[:digest]")
+-- KEYS[3] latch info (HASH conv -> "bytes:kind[:digest[:names]]")
 -- KEYS[4] finished leases (ZSET id -> expiry ms)   KEYS[5] budget held (STRING Σ tokens)
 -- ARGV[1] now ms   ARGV[2] new expiry ms   ARGV[3] number of lease ids N
 -- ARGV[4..3+N] lease ids   ARGV[4+N..] conversations whose latch a live request is storing
