@@ -198,10 +198,8 @@ class TenantStore:
             latch_ids = list(await self.redis.zrange(keys.latches(tenant_id), 0, -1))
             vector_names = list(await self.redis.hkeys(keys.vectors(tenant_id)))
             for row in key_rows.values():
-                doc = orjson.loads(row)
-                await self.redis.delete(keys.key_lookup(doc["hash"]))
-                if doc.get("prev_hash"):
-                    await self.redis.delete(keys.key_lookup(doc["prev_hash"]))
+                for secret in _secrets(row):
+                    await self.redis.delete(keys.key_lookup(secret))
             for key_id in key_rows:
                 await self.redis.delete(keys.key_owner(key_id))
             # One slot: every per-tenant key carries the same hash tag.

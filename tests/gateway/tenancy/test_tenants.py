@@ -174,13 +174,22 @@ async def test_delete_clears_every_tenant_key_and_calls_engine_cleanup(redis_url
     await store.create("acme")
     await store.create("other")
     _, key, _ = await store.create_key("acme")
+    rotated_id, old, _ = await store.create_key("acme")
+    rotated = await store.rotate_key(rotated_id, grace_s=3600)  # old still works for an hour
+    assert rotated is not None
+    new = rotated[1]
+    assert await store.resolve_key(old) is not None
+    store.cache.clear()
     await client.zadd(keys.latches("acme"), {"c1": 1})
     await client.hset(keys.vectors("acme"), "calm", "{}")
     await client.hset(keys.usage_minute("acme", int(time.time()) // 60), "requests", 3)
     assert await store.delete("acme") is True
-    assert await store.resolve_key(key) is None
+    for secret in (key, old, new):  # a rotated-out secret in its grace too
+        assert await store.resolve_key(secret) is None
     left = [k async for k in client.scan_iter(match="*")]
     assert not [k for k in left if "acme" in k], left
+    for k in left:  # nor a lookup entry naming it (global keys hold no tenant id)
+        assert "acme" not in str(await client.get(k) if await client.type(k) == "string" else "")
     assert seen == [("acme", ["c1"], ["calm"])]
     assert await store.delete("acme") is False
     await client.aclose()
