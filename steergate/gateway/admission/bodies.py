@@ -38,7 +38,7 @@ from typing import Any
 
 import orjson
 
-from steergate.gateway.admission.request_scoping import InlineBudget, prescan
+from steergate.gateway.admission.request_scoping import Head, InlineBudget, prescan
 from steergate.gateway.admission.turns import TenantTurns
 from steergate.shared.errors import APIError, InvalidField
 from steergate.shared.jsondepth import check_json_depth
@@ -61,10 +61,12 @@ BodyCheck = Callable[[Mapping[str, Any]], None]
 
 @dataclass(frozen=True)
 class Parsed:
-    """A body parsed off the loop; ``steering`` is validated against the shape given."""
+    """A body parsed off the loop; ``steering`` is validated against the shape given,
+    ``head`` is what ``prescan`` read from it (the route does not scan it again)."""
 
     body: dict[str, Any]
     steering: SteeringRequest | None
+    head: Head
     shape: ModelShape | None
 
 
@@ -128,19 +130,19 @@ def number_out_of_range(raw: bytes) -> str | None:
 def parse_in_worker(
     raw: bytes, shape: ModelShape | None, budget: InlineBudget, check: BodyCheck | None = None
 ) -> tuple[Any, ...]:
-    """Run in a worker process: ``("ok", body, steering)`` or ``("error", param,
+    """Run in a worker process: ``("ok", body, steering, head)`` or ``("error", param,
     message, code)`` (exceptions with their own ``__init__`` do not unpickle). The
     checks run in the route's order: ``prescan`` (the inline budget, from lengths,
     before any conversion), ``check`` (the route's request shape), then ``steering``."""
     try:
         body = parse_body(raw)
-        prescan(body, budget)
+        head = prescan(body, budget)
         if check is not None:
             check(body)
         steering = None
         if body.get("steering") is not None:
             steering = parse_steering(body["steering"], shape)
-        return ("ok", body, steering)
+        return ("ok", body, steering, head)
     except APIError as exc:
         return ("error", exc.param, exc.message, exc.code)
 
@@ -203,7 +205,7 @@ class BodyParser:
         bodies are done (``check``, a module-level function, runs there too); raises
         the contract's 400 for what the worker refused."""
         result = await self._call(tenant_id, parse_in_worker, raw, shape, self.budget, check)
-        return Parsed(result[0], result[1], shape)
+        return Parsed(result[0], result[1], result[2], shape)
 
     async def parse_vector(
         self, raw: bytes, tenant_id: str, shape: ModelShape | None

@@ -125,9 +125,11 @@ async def proxy_inference(request: Request, path: str) -> Response:
         body["store"] = False
     client_stream_options = "stream_options" in body
     # Ids validated in full and the inline budget checked; no vector data converted yet.
-    head = prescan(body, svc.bodies.budget)
     if parsed is None:
+        head = prescan(body, svc.bodies.budget)
         check(body)
+    else:
+        head = parsed.head
     if head.capture is not None and shape is not None:  # 400s before admission
         parse_capture(body["capture"], shape)
         check_up_front(

@@ -188,6 +188,7 @@ def test_the_worker_answers_errors_as_data_and_bodies_with_their_steering() -> N
     shape = ModelShape(HIDDEN, 4)
     ok = parse_in_worker(b'{"steering": {"vectors": [%s]}}' % _json(term(1, HIDDEN)), shape, budget)
     assert ok[0] == "ok" and isinstance(ok[2].terms[0].layers[0], np.ndarray)
+    assert ok[3].steered and ok[3].latch_vectors == 0  # prescan's head, read once, there
     assert parse_in_worker(b"[1]", shape, budget)[0:2] == ("error", "body")
     assert parse_in_worker(b'{"a": ', shape, budget)[3] == "invalid_json"
     too_many = b'{"steering": {"vectors": [%s]}}' % _json(term(1, 40_000))
