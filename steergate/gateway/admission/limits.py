@@ -37,6 +37,13 @@ log = logging.getLogger("steergate.gateway.limits")
 
 DEFAULT_COMPLETION_RESERVE = 256
 CHARS_PER_TOKEN = 4
+
+
+def text_tokens(chars: int) -> int:
+    """The gateway's one estimate of how many tokens ``chars`` characters of text are
+    (before the engine counts them): ``CHARS_PER_TOKEN`` a token, rounded up."""
+    return math.ceil(chars / CHARS_PER_TOKEN)
+
 #: Tokens a chat template adds to a conversation: once per prompt (a default system
 #: prompt, the generation prompt) and per message (role markers, separators). SmolLM2's
 #: adds 30 to one user message, 14 to system + user, 32 to user + assistant and 43 to four
@@ -111,8 +118,8 @@ def estimate_tokens(body: dict[str, Any]) -> int:
     steering = body.get("steering")
     if isinstance(steering, dict) and steering.get("compare") is True:
         # steering.compare: the engine runs the request twice (steergate/engine/http/compare.py)
-        return 2 * (math.ceil(chars / CHARS_PER_TOKEN) + templated + budget * n)
-    return math.ceil(chars / CHARS_PER_TOKEN) + templated + budget * n
+        return 2 * (text_tokens(chars) + templated + budget * n)
+    return text_tokens(chars) + templated + budget * n
 
 
 def _json_chars(value: Any) -> int:

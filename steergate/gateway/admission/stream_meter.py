@@ -21,13 +21,12 @@ generated:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
 import orjson
 
-from steergate.gateway.admission.limits import CHARS_PER_TOKEN, estimate_tokens
+from steergate.gateway.admission.limits import estimate_tokens, text_tokens
 
 _TEXT_FIELDS = ("content", "reasoning", "reasoning_content", "refusal")
 
@@ -107,7 +106,7 @@ class StreamMeter:
             return self.final, min(self.final, self.prompt) if self.prompt >= 0 else -1
         prompt = self.prompt if self.prompt >= 0 else prompt_estimate()
         estimated = sum(
-            max(self.pieces[i], math.ceil(chars / CHARS_PER_TOKEN))
+            max(self.pieces[i], text_tokens(chars))
             for i, chars in self.chars.items()
         )
         return prompt + sum(self.generated.values()) + estimated, prompt

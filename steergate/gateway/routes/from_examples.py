@@ -28,7 +28,7 @@ import numpy as np
 import orjson
 from fastapi import APIRouter, Request, Response
 
-from steergate.gateway.admission.limits import CHARS_PER_TOKEN
+from steergate.gateway.admission.limits import text_tokens
 from steergate.gateway.admission.metered import admitted
 from steergate.gateway.admission.request_scoping import combined_salt
 from steergate.gateway.admission.units import format_bytes
@@ -271,7 +271,7 @@ def batches(order: list[int], prompts: list[Prompt], most: int) -> list[list[int
     tokens = 0
     for i in order:
         prompt = prompts[i]
-        n = len(prompt) if isinstance(prompt, list) else len(prompt) // CHARS_PER_TOKEN + 1
+        n = len(prompt) if isinstance(prompt, list) else text_tokens(len(prompt))
         if out and len(out[-1]) < most and tokens + n <= BATCH_TOKENS:
             out[-1].append(i)
             tokens += n

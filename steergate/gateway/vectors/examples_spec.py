@@ -11,11 +11,10 @@ docs/api.md.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
-from steergate.gateway.admission.limits import CHARS_PER_TOKEN, template_tokens
+from steergate.gateway.admission.limits import template_tokens, text_tokens
 from steergate.gateway.vectors.contrast import METHODS, MIN_PER_SIDE
 from steergate.shared.errors import InvalidField, reject_unknown
 from steergate.shared.steering import HOOKS, ModelShape
@@ -67,7 +66,7 @@ class ExamplesSpec:
         examples = (*self.positive, *self.negative)
         templated = [e for e in examples if not isinstance(e, str)]
         return (
-            math.ceil(self.chars / CHARS_PER_TOKEN)
+            text_tokens(self.chars)
             + sum(template_tokens(len(e)) for e in templated)
             + len(examples)
         )
