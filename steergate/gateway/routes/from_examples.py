@@ -157,6 +157,15 @@ async def _held(
         return await job()
 
 
+def _not_finite(spec: ExamplesSpec, layer: int) -> APIError:
+    """Never stored: a vector that is not finite would turn every steered token of
+    every later request that names it into NaN."""
+    return APIError(
+        "engine_unavailable",
+        f"The engine's activations at {spec.hook} layer {layer} were not finite.",
+    )
+
+
 async def _make(
     name: str, spec: ExamplesSpec, tenant: Tenant, svc: Services, shape: ModelShape, usage: Usage
 ) -> tuple[dict[str, Any], bool]:
@@ -167,6 +176,9 @@ async def _make(
         acts[side] = await _activations(
             svc, spec, prompts, side, salt, usage, shape.hidden_size
         )
+    for layer in spec.layers:
+        if not all(np.isfinite(acts[side][layer]).all() for side in acts):
+            raise _not_finite(spec, layer)  # refused before any arithmetic runs on them
     results = await svc.contrast.run(
         tenant.id,
         lambda: {
@@ -177,13 +189,8 @@ async def _make(
         },
     )
     for layer, r in results.items():
-        if not np.isfinite(r.vector).all():
-            # Never stored: a vector that is not finite would turn every steered token
-            # of every later request that names it into NaN.
-            raise APIError(
-                "engine_unavailable",
-                f"The engine's activations at {spec.hook} layer {layer} were not finite.",
-            )
+        if not np.isfinite(r.vector).all():  # finite activations, too large to combine
+            raise _not_finite(spec, layer)
     for layer in spec.layers:
         if not results[layer].norm > 0:
             # Different texts the engine saw as the same prompt (or whose activations
