@@ -41,6 +41,10 @@ class Admission:
     #: ledger entry, spec). Handed back to settlement, which puts them back should this
     #: turn's latch not be kept (``settle_request.lua``).
     evicted_latches: tuple[tuple[str, str, str, str], ...] = ()
+    #: The latch this turn's engine stored, as (ledger entry, spec), when recording it
+    #: failed (Redis unavailable as the turn ended): settlement, retried until Redis
+    #: takes it, records it instead (``settle_request.lua`` "record").
+    unrecorded_latch: tuple[str, str] | None = None
 
     @property
     def latch_digest(self) -> str:

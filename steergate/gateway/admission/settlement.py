@@ -116,7 +116,7 @@ def latch_action(o: Outcome) -> str:
         return "drop"
     if a.latch:
         if o.latch_state in KEEP_STATES:
-            return "keep"
+            return "record" if a.unrecorded_latch else "keep"
         return "restore"  # failed or not stored: put the earlier latch state back
     # An engine that lacks a latch Redis holds asks for it (409 latch_missing) instead of
     # answering "none", so a plain turn never tells us a latch is gone: Redis keeps it.
@@ -468,6 +468,7 @@ class Settler:
             a = o.admission
             prompt, completion = o.split()
             action = latch_action(o)
+            record = a.unrecorded_latch if action == "record" and a.unrecorded_latch else ("", "")
             call = SettleRequest(
                 tenant_id=a.tenant.id,
                 generation=a.tenant.created_at,
@@ -487,6 +488,8 @@ class Settler:
                 left_latch=a.left_latch,
                 latch_count_quota=a.tenant.limits.latch_count,
                 latch_bytes_quota=a.tenant.limits.latch_bytes,
+                record_info=record[0],
+                record_spec=record[1],
                 evicted_latches=a.evicted_latches if action in ("drop", "restore") else (),
             )
             calls.append(wire(call))

@@ -260,6 +260,7 @@ class Turn:
                 spec.nbytes, spec.kind, spec.digest, tuple(dict.fromkeys(n for n in names if n))
             )
         )
+        text = spec.encode()
         try:
             async with store_errors():
                 orphaned = await self.scripts.run(
@@ -268,15 +269,16 @@ class Turn:
                         generation=self.adm.tenant.created_at,
                         conversation_id=self.head.conversation_id,
                         info=info,
-                        spec=spec.encode(),
+                        spec=text,
                     )
                 )
         except TenantGone:
             orphaned = 1  # the tenant was deleted while the turn ran: nothing to keep
         except APIError:
-            # The engine holds it and the ledger counts it; only a restore elsewhere
-            # is lost until the conversation latches again. Never fail the turn for it.
-            log.warning("could not record a latch spec (store unavailable)")
+            # The engine holds it and the ledger counts it as pending. Never fail the
+            # turn for it: its settlement, retried until Redis takes it, records it.
+            log.warning("could not record a latch spec (store unavailable): left to settlement")
+            self.adm.unrecorded_latch = (info, text)
             return
         if int(orphaned):
             # A concurrent turn's quota eviction took it while this one ran (or its tenant

@@ -238,7 +238,7 @@ class SettleRequest(TenantCall):
     status_class: str  # "2xx" | "4xx" | "429" | "5xx" | ""
     tokens_used: int
     conversation_id: str  # "" = none
-    latch_action: str  # "" | "keep" | "drop" | "restore"
+    latch_action: str  # "" | "keep" | "record" | "drop" | "restore"
     prev_latch: str
     #: The lease's expiry (ms) when this settles a cancelled admission, else 0.
     cancel_expiry_ms: int
@@ -250,6 +250,9 @@ class SettleRequest(TenantCall):
     left_latch: str
     latch_count_quota: int = 0
     latch_bytes_quota: int = 0
+    #: "record": the ledger entry and spec that keep_latch.lua could not write.
+    record_info: str = ""
+    record_spec: str = ""
     #: The latches its admission evicted (``Admission.evicted_latches``): a "drop" or
     #: "restore" puts them back where they still fit the quota.
     evicted_latches: Sequence[tuple[str, str, str, str]] = ()
@@ -277,6 +280,8 @@ class SettleRequest(TenantCall):
             self.left_latch,
             self.latch_count_quota,
             self.latch_bytes_quota,
+            self.record_info,
+            self.record_spec,
             *(item for latch in self.evicted_latches for item in latch),
         ]
 

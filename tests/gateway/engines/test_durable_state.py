@@ -23,6 +23,8 @@ import pytest
 
 from steergate.gateway.engines import client as engine_client
 from steergate.gateway.store import key_names as keys
+from steergate.gateway.store.connection import store_unavailable
+from steergate.gateway.store.scripts import KeepLatch, Scripts
 from steergate.shared.scoping import scope
 from tests.gateway.conftest import ADMIN_KEY, FakeEngine, make_tenant, start_stub_engine
 from tests.gateway.servers import ServerThread
@@ -537,6 +539,54 @@ def test_tenant_delete_with_an_engine_down_leaves_no_trace_after_it_returns(
 
     wait_for(clean, 5)
     assert any(k.startswith("other~") for e in engines for k in e.state.vectors)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_latch_redis_could_not_record_as_its_turn_ended_is_recorded_by_settlement(
+    start_gateway: Any,
+    fake_engine: FakeEngine,
+    redis_url: str,
+    stream: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found from outside: when recording a latch failed (Redis paused as the turn
+    ended), the ledger kept a pending entry for good: later turns got no expectation
+    (an engine bridged its own copies unchecked), and an engine that lost the latch
+    answered ``none``, losing a latch Redis was to hold. Settlement, retried until Redis
+    takes it, now records it."""
+    gw = start_gateway(**FAST_POLL)
+    key = make_tenant(redis_url, "acme")
+    assert put_vector(gw, key, "v", 0.25).status_code == 201
+    svc = gw.app.state.services
+    original = Scripts.run
+    failed: list[str] = []
+
+    async def keep_fails(self: Scripts, call: Any) -> Any:
+        if isinstance(call, KeepLatch) and not failed:
+            failed.append(call.conversation_id)
+            raise store_unavailable()
+        return await original(self, call)
+
+    monkeypatch.setattr(Scripts, "run", keep_fails)
+    body = {
+        "model": "stub",
+        "messages": [{"role": "user", "content": "hi"}],
+        "conversation_id": "c",
+        "steering": by_name("v"),
+        "stream": stream,
+    }
+    r = httpx.post(gw.url + CHAT, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    assert r.status_code == 200 and r.headers["x-steering-latch"] == "latched"
+    latched = text(chat(gw, key, conversation_id="c"))  # bridged by the engine
+    assert failed == ["c"]
+    gw.call(svc.settler.drain())
+    client = redis_client(redis_url)
+    entry = keys.LatchEntry.parse(client.hget(keys.latch_info("acme"), "c"))
+    assert entry.digest and entry.names == ("v",)
+    assert client.hget(keys.latch_specs("acme"), "c")
+    fake_engine.state.restart()  # the engine loses it: Redis has it to restore
+    r = chat(gw, key, conversation_id="c")
+    assert r.headers["x-steering-latch"] == "restored" and text(r) == latched
 
 
 @pytest.fixture()

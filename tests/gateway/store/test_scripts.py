@@ -33,6 +33,7 @@ from steergate.gateway.store.scripts import (
     wire,
 )
 from steergate.gateway.tenancy.records import Limits, Tenant
+from tests.harness import aredis_client
 
 
 def test_every_lua_file_has_exactly_one_builder_and_one_loaded_script() -> None:
@@ -98,7 +99,7 @@ def test_settle_request_puts_each_named_field_at_its_argv_position() -> None:
         status_class="2xx",
         tokens_used=6,
         conversation_id="conv",
-        latch_action="keep",
+        latch_action="record",
         prev_latch="9:ref",
         cancel_expiry_ms=11,
         prompt_tokens=12,
@@ -107,12 +108,14 @@ def test_settle_request_puts_each_named_field_at_its_argv_position() -> None:
         left_latch="16:value",
         latch_count_quota=17,
         latch_bytes_quota=18,
-        evicted_latches=[("c19", "20", "21:ref:d", "s22"), ("c23", "24", "25:value:d", "s26")],
+        record_info="19:ref:d:v",
+        record_spec="s20",
+        evicted_latches=[("c21", "22", "23:ref:d", "s24"), ("c25", "26", "27:value:d", "s28")],
     )
     assert call.argv() == [
-        60_000, "lease", 3, -4, "2xx", 6, "conv", "keep", "9:ref", keys.USAGE_MINUTE_TTL_S,
-        11, 12, 13, "key", keys.USAGE_DAY_TTL_S, "16:value", 17, 18,
-        "c19", "20", "21:ref:d", "s22", "c23", "24", "25:value:d", "s26",
+        60_000, "lease", 3, -4, "2xx", 6, "conv", "record", "9:ref", keys.USAGE_MINUTE_TTL_S,
+        11, 12, 13, "key", keys.USAGE_DAY_TTL_S, "16:value", 17, 18, "19:ref:d:v", "s20",
+        "c21", "22", "23:ref:d", "s24", "c25", "26", "27:value:d", "s28",
     ]  # fmt: skip
     assert call.keys() == keys.admit_keys("acme", 1, "key")
 
@@ -237,3 +240,44 @@ def test_a_pending_or_missing_latch_entry_has_no_digest() -> None:
     assert keys.LatchEntry.parse("64:value") == keys.LatchEntry(64, "value", "")
     assert keys.LatchEntry.parse("") == keys.LatchEntry.parse(None) == keys.LatchEntry(0, "ref")
     assert str(keys.LatchEntry(64, "value")) == "64:value"
+
+
+@pytest.mark.parametrize("current", ["pending", "other", "gone", "recorded"])
+async def test_settlement_records_a_latch_only_over_the_pending_entry_its_turn_left(
+    redis_url: str, current: str
+) -> None:
+    """``record`` (keep_latch.lua failed as the turn ended): written as keep_latch.lua
+    would have, over the pending entry its admission left; another turn's entry, or this
+    one already written (a keep whose reply was lost), is left as it is; a conversation
+    evicted meanwhile answers 1 (the engine's copy is forgotten), and nothing else is
+    put back."""
+    redis = aredis_client(redis_url)
+    scripts = Scripts.load(redis)
+    tenant = Tenant(id="rec")
+    await redis.delete(*keys.all_tenant_keys("rec", 1))
+    await redis.set(keys.tenant_record("rec"), tenant.record())
+    pending, mine = "32:value", "40:value:d1:v"
+    before = {"pending": pending, "other": "8:ref:d2:w", "gone": None, "recorded": mine}[current]
+    if before is not None:
+        await redis.hset(keys.latch_info("rec"), "c", before)
+        await redis.zadd(keys.latches("rec"), {"c": 1})
+    await redis.set(keys.latch_bytes("rec"), keys.LatchEntry.parse(before).nbytes)
+    call = SettleRequest(
+        tenant_id="rec", generation=tenant.created_at, now_ms=60_000, lease_id="l", tpm=10,
+        token_delta=0, status_class="2xx", tokens_used=0, conversation_id="c",
+        latch_action="record", prev_latch="", cancel_expiry_ms=0, prompt_tokens=0,
+        completion_tokens=0, key_id="", left_latch=pending, latch_count_quota=10,
+        latch_bytes_quota=1000, record_info=mine, record_spec="spec",
+        evicted_latches=[("x", "1", "4:value:d3", "sx")],
+    )  # fmt: skip
+    assert int(await scripts.run(call)) == (1 if current == "gone" else 0)
+    info = await redis.hget(keys.latch_info("rec"), "c")
+    spec = await redis.hget(keys.latch_specs("rec"), "c")
+    if current == "pending":
+        assert (info, spec) == (mine, "spec")
+        assert int(await redis.get(keys.latch_bytes("rec"))) == 40
+    else:
+        assert (info, spec) == (before, None)
+        assert int(await redis.get(keys.latch_bytes("rec"))) == keys.LatchEntry.parse(before).nbytes
+    assert await redis.hget(keys.latch_info("rec"), "x") is None  # its eviction stands
+    await redis.aclose()

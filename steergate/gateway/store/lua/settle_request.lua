@@ -7,7 +7,11 @@
 -- ARGV[1] now ms   ARGV[2] lease id   ARGV[3] tpm   ARGV[4] token delta (actual - reserved)
 -- ARGV[5] status class ("2xx"|"4xx"|"5xx"|"")   ARGV[6] tokens used
 -- ARGV[7] conversation id ("" = none)
--- ARGV[8] latch action: "" none | "keep" engine stored it | "drop" the latch is gone
+-- ARGV[8] latch action: "" none | "keep" engine stored it | "record" engine stored it and
+--         keep_latch.lua could not record it (Redis was unavailable as the turn ended):
+--         write ARGV[19] (its entry) and ARGV[20] (its spec) as keep_latch.lua would have,
+--         while the entry is still the pending one this turn's admission left (ARGV[16])
+--         | "drop" the latch is gone
 --         (refused or stale: its spec goes too) |
 --         "restore" request failed: put ARGV[9] (previous info, "" = none) back; the spec
 --         hash was never changed by the failed request (keep_latch.lua writes it)
@@ -28,14 +32,16 @@
 --          while the entry is still that one. A concurrent turn that recorded or replaced
 --          the latch since owns it: a failed or stale turn must not undo that (absent: a
 --          gateway of the previous version, no check).
--- ARGV[17] latch_count quota   ARGV[18] latch_bytes quota   ARGV[19..] per latch this
+-- ARGV[17] latch_count quota   ARGV[18] latch_bytes quota
+-- ARGV[19] "record": the entry to write ("" otherwise)   ARGV[20] "record": its spec
+-- ARGV[21..] per latch this
 --          request's admission evicted: conversation, last use, ledger entry, spec (as
 --          admit_request.lua returned them). A "drop" or "restore" puts each back, most
 --          recently used first, unless its conversation latched again since or it no
 --          longer fits the quota: a turn whose latch was not kept (refused by the
 --          engine, failed upstream) costs no other conversation its latch. "keep": the
 --          evictions stand.
--- Returns 1 when action was "keep" but the latch is no longer ours in Redis (it was
+-- Returns 1 when action was "keep" or "record" but the latch is no longer ours in Redis (it was
 -- evicted while the request ran). Nothing needs doing about it: an engine never bridges
 -- a latch Redis does not expect, and the engine sync deletes its copy. Else 0.
 --
@@ -106,11 +112,11 @@ local cur = redis.call("HGET", KEYS[7], conv)
 local function bytes_of(info) return tonumber(string.match(info or "0", "^(%d+)") or "0") end
 
 local function unevict()
-  if ARGV[19] == nil then return end
+  if ARGV[21] == nil then return end
   local max_count, max_bytes = tonumber(ARGV[17]), tonumber(ARGV[18])
   local count = redis.call("ZCARD", KEYS[6])
   local total = tonumber(redis.call("GET", KEYS[8]) or "0")
-  for i = #ARGV - 3, 19, -4 do
+  for i = #ARGV - 3, 21, -4 do
     local victim, used, info, spec = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
     local nbytes = bytes_of(info)
     if info ~= "" and redis.call("HEXISTS", KEYS[7], victim) == 0
@@ -124,7 +130,7 @@ local function unevict()
   end
 end
 
-if action ~= "keep" and ARGV[16] ~= nil and (cur or "") ~= ARGV[16] then
+if action ~= "keep" and action ~= "record" and ARGV[16] ~= nil and (cur or "") ~= ARGV[16] then
   unevict()
   return 0
 end
@@ -137,6 +143,16 @@ local function remove()
 end
 if action == "keep" then
   if not cur then return 1 end
+  return 0
+elseif action == "record" then
+  if not cur then return 1 end
+  -- Another turn's entry (it recorded or replaced the latch since), or this one's already
+  -- written (a keep_latch.lua whose reply was lost): theirs, left as it is.
+  if cur == ARGV[16] then
+    redis.call("INCRBY", KEYS[8], bytes_of(ARGV[19]) - bytes_of(cur))
+    redis.call("HSET", KEYS[7], conv, ARGV[19])
+    redis.call("HSET", KEYS[9], conv, ARGV[20])
+  end
   return 0
 elseif action == "drop" then
   remove()
