@@ -106,6 +106,17 @@ def resolve_turn(
             if held is None or held.digest != expect.latch:
                 raise cache_miss("latch_missing", "conversation's latch")
             _require_vectors(held.named(), registry, expect)
+        elif expect is not None:
+            # Redis's entry is pending (another turn is storing a latch): whichever latch
+            # this engine holds is bridged, with the content Redis holds for the vectors
+            # the gateway names.
+            held = controller.get(conversation_id)
+            if held is not None and any(
+                name in expect.vectors
+                and (registry.digest_of(name) or "") != expect.vectors[name]
+                for name, _ in held.named()
+            ):
+                raise cache_miss("vector_missing", "named vectors of this turn")
         used, latch = controller.use(conversation_id, registry.digest_of)
         if latch is None:
             return Resolution(used)

@@ -296,7 +296,7 @@ class Limiter:
             latch_vector_digests=ref_digests,
             lease_expiry_ms=expiry_ms,
             key_id=key_id,
-            left_latch=_left_latch(prev, latch_bytes, latch_kind) if planned else prev,
+            left_latch=_left_latch(prev, latch_bytes, latch_kind, names) if planned else prev,
         )
         if self.settler is not None:
             self.settler.leases.hold(adm)
@@ -368,8 +368,11 @@ def _saved_latches(
     return tuple(out)
 
 
-def _left_latch(prev: str, nbytes: int, kind: str) -> str:
-    """The pending entry of a planned latch: it holds the larger of its own and the
-    replaced latch's bytes until the turn settles (``keep_latch.lua`` sets the exact
-    size), so a failed shrinking turn never puts the tenant over its quota."""
-    return str(keys.LatchEntry(max(nbytes, keys.LatchEntry.parse(prev).nbytes), kind))
+def _left_latch(prev: str, nbytes: int, kind: str, names: list[str]) -> str:
+    """The pending entry of a planned latch, as admit_request.lua writes it: it holds the
+    larger of its own and the replaced latch's bytes until the turn settles
+    (``keep_latch.lua`` sets the exact size), so a failed shrinking turn never puts the
+    tenant over its quota; and the names of both latches' vectors."""
+    before = keys.LatchEntry.parse(prev)
+    both = tuple(dict.fromkeys((*names, *before.names)))
+    return str(keys.LatchEntry(max(nbytes, before.nbytes), kind, "", both))

@@ -113,6 +113,10 @@ def latch_action(o: Outcome) -> str:
     if not a.conversation_id:
         return ""
     if o.latch_state in DROP_STATES:
+        if not a.latch and a.prev_latch and not a.latch_digest:
+            # A plain turn while another turn stores the conversation's latch: the latch
+            # its engine dropped is not the one that turn is storing (its entry's).
+            return ""
         return "drop"
     if a.latch:
         if o.latch_state in KEEP_STATES:

@@ -98,12 +98,14 @@ class Turn:
                 expect["latch"] = ""  # Redis holds none: the engine must not bridge
             elif self.adm.latch_digest:
                 expect["latch"] = self.adm.latch_digest
-                # What the latch's vectors hold now: an engine that missed a write to
-                # one installs it from Redis, then finds the latch stale, or bridges
-                # with the content Redis holds; never with its own old copy.
-                for n, digest in self.adm.latch_vector_digests.items():
-                    vectors[scope(self.tenant_id, n)] = digest
-            # else: another turn is storing this latch right now; the engine decides.
+            # else: another turn is storing this latch right now; the engine bridges the
+            # one it holds (the new one or the one before: either may be current).
+            # What the latch's vectors hold now (a pending entry names both latches'):
+            # an engine that missed a write to one installs it from Redis, then finds
+            # the latch stale, or bridges with the content Redis holds; never with its
+            # own old copy.
+            for n, digest in self.adm.latch_vector_digests.items():
+                vectors[scope(self.tenant_id, n)] = digest
         if vectors:
             expect["vectors"] = vectors
         return expect
@@ -175,6 +177,11 @@ class Turn:
     async def _install_vectors(self) -> None:
         names = dict.fromkeys(self.head.names)
         latch_refs: set[str] = set()
+        if self.head.conversation_id and not self.head.steered:
+            # the vectors of the latch (or, pending, the latches) the ledger names
+            for local in self.adm.latch_vector_digests:
+                names[local] = None
+                latch_refs.add(local)
         if self.head.conversation_id and not self.head.steered and self.adm.latch_digest:
             spec = await self._load_spec()
             if spec is not None:
@@ -193,10 +200,16 @@ class Turn:
             rows = await self.redis.hmget(keys.vector_data(self.tenant_id), list(names))
         for name, data in zip(names, rows, strict=True):
             if data is None:
-                if name in latch_refs:
+                if name in latch_refs and self.adm.latch_digest:
                     # The latch refers to a vector the tenant deleted: it is stale.
                     await self._drop_stale_latch()
                     return
+                if name in latch_refs:
+                    # Pending: a latch this engine may hold refers to it; without its
+                    # copy, the engine finds that latch stale itself.
+                    scoped = scope(self.tenant_id, name)
+                    await self.engines.delete_engine_entry(self.engine, "vector", scoped)
+                    continue
                 raise self.head.unknown_vector(name)  # deleted since admission read it
             await self.engines.put_vector(self.engine, self.tenant_id, name, data.encode())
 

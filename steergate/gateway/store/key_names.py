@@ -133,19 +133,23 @@ def key_leases(tenant_id: str, key_id: str) -> str:
 
 
 def latch_info(tenant_id: str) -> str:
-    """Hash client conversation_id -> "<bytes>:<value|ref>[:<latch digest>[:<names>]]"
-    (:class:`LatchEntry`; the digest and names are written once the engine has stored the
-    latch, with its spec)."""
+    """Hash client conversation_id -> :class:`LatchEntry` (the digest and names are
+    written once the engine has stored the latch, with its spec)."""
     return _t(tenant_id, "latch:info")
 
 
 @dataclass(frozen=True)
 class LatchEntry:
-    """One value of :func:`latch_info`: ``"<bytes>:<kind>[:<digest>[:<names>]]"``.
+    """One value of :func:`latch_info`: ``"<bytes>:<kind>:<digest>[:<names>]"`` once the
+    latch is recorded, ``"<bytes>:<kind>[;<names>]"`` while a turn is storing it (pending).
+
     ``names``: the tenant's vectors the latch steers with (comma-separated client names,
-    which never hold ``:`` or ``,``), so admission returns their current digests in its
-    one call and the engine is told what content to bridge with. The Lua scripts read it
-    with their own patterns; Python reads it only here."""
+    which never hold ``:``, ``;`` or ``,``), so admission returns their current digests
+    in its one call and the engine is told what content to bridge with. A pending entry
+    names those of the latch being stored and of the one before it: an engine may hold
+    either while the turn runs. The Lua scripts read it with their own patterns (a
+    recorded entry matches ``^%d+:%a+:``, a pending one does not); Python reads it only
+    here."""
 
     nbytes: int = 0
     kind: str = "ref"
@@ -158,22 +162,22 @@ class LatchEntry:
     def parse(cls, info: str | None) -> LatchEntry:
         """The entry ``info`` holds; ``None`` or "" (no latch) is zero bytes."""
         head, _, rest = (info or "").partition(":")
+        rest, _, pending_names = rest.partition(";")
         kind, _, rest = rest.partition(":")
         digest, _, names = rest.partition(":")
         return cls(
             int(head) if head.isdigit() else 0,
             kind or "ref",
             digest,
-            tuple(n for n in names.split(",") if n),
+            tuple(n for n in (names or pending_names).split(",") if n),
         )
 
     def __str__(self) -> str:
         out = f"{self.nbytes}:{self.kind}"
+        names = ",".join(self.names)
         if self.digest:
-            out += f":{self.digest}"
-            if self.names:
-                out += ":" + ",".join(self.names)
-        return out
+            return out + f":{self.digest}" + (f":{names}" if names else "")
+        return out + (f";{names}" if names else "")
 
 
 def latch_bytes(tenant_id: str) -> str:

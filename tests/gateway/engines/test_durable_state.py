@@ -58,6 +58,10 @@ def inline(value: float, latch: bool = True) -> dict[str, Any]:
     return {"vectors": [{"hook": "post_attn", "layers": {"2": [value] * 8}}], "latch": latch}
 
 
+def by_name(name: str) -> dict[str, Any]:
+    return {"vectors": [{"name": name}], "latch": True}
+
+
 @pytest.fixture()
 def engines() -> Iterator[list[FakeEngine]]:
     """Stub engines a test starts with :func:`start_engines`; all stopped after it."""
@@ -122,24 +126,31 @@ def test_engine_restart_loses_nothing_a_tenant_stored(
     assert client.zcard(keys.latches("acme")) == 2
 
 
-@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("stream", "named"), [(False, False), (True, False), (False, True)])
 def test_a_turn_vllm_refuses_changes_no_latch(
-    gateway: ServerThread, fake_engine: FakeEngine, redis_url: str, stream: bool
+    gateway: ServerThread, fake_engine: FakeEngine, redis_url: str, stream: bool, named: bool
 ) -> None:
     """The engine stores a turn's latch before vLLM checks the rest of the request (here
     max_tokens 0). A refused turn used to leave it stored and say ``latched``: found from
     outside, a 400 replaced the conversation's steering and counted against the quota.
     Now the engine takes it back when vLLM's answer is an error and says ``none``: the
     conversation keeps its earlier latch (bridged, and restored after a restart, as it
-    was), and a conversation that had none still has none."""
+    was), and a conversation that had none still has none. ``named``: by-reference
+    latches, whose pending entry names both latches' vectors: settlement puts the
+    earlier entry back only over the exact entry admission left."""
     key = make_tenant(redis_url, "acme")
-    before = text(chat(gateway, key, conversation_id="c1", steering=inline(0.1)))
+    first, then = inline(0.1), inline(0.5)
+    if named:
+        assert put_vector(gateway, key, "v", 0.25).status_code == 201
+        assert put_vector(gateway, key, "w", -0.5).status_code == 201
+        first, then = by_name("v"), by_name("w")
+    before = text(chat(gateway, key, conversation_id="c1", steering=first))
     refused_body = {"model": "stub", "messages": [{"role": "user", "content": "hi"}],
                     "max_tokens": 0, "stream": stream}  # fmt: skip
     for conversation in ("c1", "c2"):
         r = httpx.post(
             gateway.url + CHAT,
-            json={**refused_body, "conversation_id": conversation, "steering": inline(0.5)},
+            json={**refused_body, "conversation_id": conversation, "steering": then},
             headers={"Authorization": f"Bearer {key}"},
             timeout=30,
         )
@@ -410,10 +421,6 @@ def conv_on(gw: ServerThread, tenant: str, target: FakeEngine, engines: list[Fak
     return next(f"c{i}" for i in range(1000) if owner(gw, tenant, f"c{i}", engines) is target)
 
 
-def by_name(name: str) -> dict[str, Any]:
-    return {"vectors": [{"name": name}], "latch": True}
-
-
 def test_an_engine_that_missed_a_vector_write_never_bridges_a_latch_with_the_old_content(
     start_gateway: Any, engines: list[FakeEngine], redis_url: str
 ) -> None:
@@ -466,6 +473,45 @@ def test_a_latch_made_with_the_current_vector_survives_a_move_to_an_engine_that_
     assert r.headers["x-steering-latch"] == "restored", text(r)
     assert text(r) == latched
     assert chat(gw1, key, conversation_id=conv).headers["x-steering-latch"] == "bridged"
+
+
+def test_a_turn_while_another_stores_the_latch_is_checked_against_redis_too(
+    start_gateway: Any, engines: list[FakeEngine], redis_url: str
+) -> None:
+    """Found from outside: while a latching turn runs, the ledger entry is pending (no
+    digest yet), and a plain turn of the conversation was bridged unchecked, here with
+    the old copy of a vector B missed a write to. A pending entry now names the vectors
+    of the latch being stored and of the one before it, so the plain turn is checked
+    against Redis (B installs the new content and finds the latch stale); and its
+    ``dropped_stale`` does not take the other turn's pending entry with it."""
+    a, b = start_engines(engines, 2)
+    gw1 = start_gateway(engine_urls=f"{a.url},{b.url}", **FAST_POLL)
+    gw2 = start_gateway(engine_urls=a.url, **FAST_POLL)  # a replica that cannot reach B
+    wait_for(lambda: all(not e.dirty for e in gw1.app.state.services.engines.engines), 5)
+    key = make_tenant(redis_url, "acme")
+    client = redis_client(redis_url)
+    assert put_vector(gw1, key, "v", 0.25).status_code == 201
+    conv = conv_on(gw1, "acme", b, engines)
+    latched = text(chat(gw1, key, conversation_id=conv, steering=by_name("v")))
+
+    def entry() -> keys.LatchEntry:
+        return keys.LatchEntry.parse(client.hget(keys.latch_info("acme"), conv))
+
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(
+            chat, gw1, key, conversation_id=conv, steering=by_name("v"), fake_delay=3
+        )
+        wait_for(lambda: entry().digest == "", 5)  # pending while it runs
+        assert entry().names == ("v",)
+        assert put_vector(gw2, key, "v", 0.75).status_code == 200  # B misses it
+        r = chat(gw1, key, conversation_id=conv)
+        assert r.headers["x-steering-latch"] == "dropped_stale", text(r)
+        assert text(r) == "echo" != latched
+        gw1.call(gw1.app.state.services.settler.drain())
+        assert entry().digest == ""  # still the other turn's, pending
+        assert slow.result(timeout=30).status_code == 200
+    gw1.call(gw1.app.state.services.settler.drain())
+    assert entry().digest  # recorded by the turn that stored it
 
 
 def test_concurrent_vector_writes_leave_every_engine_with_what_redis_holds(

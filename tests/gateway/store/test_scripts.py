@@ -214,6 +214,7 @@ def test_the_tenant_generation_check_runs_first_in_every_tenant_call() -> None:
         keys.LatchEntry(0, "ref"),
         keys.LatchEntry(7, "ref"),
         keys.LatchEntry(32, "ref", "d2", ("calm", "x.y-1_Z")),
+        keys.LatchEntry(64, "value", "", ("calm", "x.y-1_Z")),  # pending, with names
     ],
 )
 async def test_latch_entries_read_the_same_in_python_and_in_keep_latch_lua(

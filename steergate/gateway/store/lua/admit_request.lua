@@ -140,9 +140,14 @@ end
 -- The named vectors of the request, then those the conversation's recorded latch steers
 -- with (its entry's names, "bytes:kind:digest:a,b"): their current digests, so the
 -- engine bridges only with the content Redis holds.
+-- A pending entry ("bytes:kind;a,b": a turn is storing a latch) names the vectors of the
+-- latch being stored and of the one before it.
+local function latch_names(info)
+  return string.match(info, "^%d+:%a+:[^:]+:(.+)$") or string.match(info, "^%d+:%a+;(.+)$")
+end
 local function named_digests(out)
   for i = 1, n_vec do out[#out + 1] = digest_of(ARGV[25 + i]) end
-  local refs = string.match(prev, "^%d+:%a+:[^:]+:(.+)$")
+  local refs = latch_names(prev)
   if refs then
     for name in string.gmatch(refs, "[^,]+") do out[#out + 1] = digest_of(name) end
   end
@@ -309,7 +314,17 @@ if conv ~= "" then
       redis.call("HDEL", KEYS[9], victim)
     end
     redis.call("ZADD", KEYS[6], now, conv)
-    redis.call("HSET", KEYS[7], conv, reserve .. ":" .. ARGV[11])
+    -- Pending, with the names of this latch (the request's) and of the one it replaces.
+    local names, seen = {}, {}
+    for i = 1, n_vec do
+      if not seen[ARGV[25 + i]] then seen[ARGV[25 + i]] = true names[#names + 1] = ARGV[25 + i] end
+    end
+    for name in string.gmatch(latch_names(prev) or "", "[^,]+") do
+      if not seen[name] then seen[name] = true names[#names + 1] = name end
+    end
+    local pending = reserve .. ":" .. ARGV[11]
+    if #names > 0 then pending = pending .. ";" .. table.concat(names, ",") end
+    redis.call("HSET", KEYS[7], conv, pending)
     redis.call("SET", KEYS[8], new_total)
   else
     redis.call("ZADD", KEYS[6], "XX", now, conv)  -- recency refresh, only if latched
