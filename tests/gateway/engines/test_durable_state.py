@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from steergate.gateway.engines import client as engine_client
+from steergate.gateway.engines.upstream import Engine
 from steergate.gateway.store import key_names as keys
 from steergate.gateway.store.connection import store_unavailable
 from steergate.gateway.store.scripts import KeepLatch, Scripts
@@ -421,6 +422,33 @@ def conv_on(gw: ServerThread, tenant: str, target: FakeEngine, engines: list[Fak
     return next(f"c{i}" for i in range(1000) if owner(gw, tenant, f"c{i}", engines) is target)
 
 
+def replicas(
+    start_gateway: Any, engines: list[FakeEngine]
+) -> tuple[FakeEngine, FakeEngine, ServerThread, ServerThread]:
+    """Engines A and B; gateway 1 serves both (once it has synced them), gateway 2 only
+    A: a replica that cannot reach B, so B misses the vector writes made through it."""
+    a, b = start_engines(engines, 2)
+    gw1 = start_gateway(engine_urls=f"{a.url},{b.url}", **FAST_POLL)
+    gw2 = start_gateway(engine_urls=a.url, **FAST_POLL)
+    wait_for(lambda: all(not e.dirty for e in gw1.app.state.services.engines.engines), 5)
+    return a, b, gw1, gw2
+
+
+def beside_hung(
+    start_gateway: Any, engines: list[FakeEngine], hung_url: str, reconcile_interval_s: float
+) -> tuple[FakeEngine, ServerThread, Engine]:
+    """A gateway serving a stub engine and ``hung_url``; returns the stub, the gateway and
+    its record of the hung engine."""
+    (a,) = start_engines(engines, 1)
+    gw = start_gateway(
+        engine_urls=f"{a.url},{hung_url}",
+        reconcile_interval_s=reconcile_interval_s,
+        engine_sync_interval_s=3600.0,
+    )
+    hung = next(e for e in gw.app.state.services.engines.engines if e.url == hung_url)
+    return a, gw, hung
+
+
 def test_an_engine_that_missed_a_vector_write_never_bridges_a_latch_with_the_old_content(
     start_gateway: Any, engines: list[FakeEngine], redis_url: str
 ) -> None:
@@ -429,10 +457,7 @@ def test_an_engine_that_missed_a_vector_write_never_bridges_a_latch_with_the_old
     old vector. The latch's vectors now come with the digests Redis holds (admission
     reads them with the latch's entry), so B installs the new content and finds the latch
     stale, as a restart would have."""
-    a, b = start_engines(engines, 2)
-    gw1 = start_gateway(engine_urls=f"{a.url},{b.url}", **FAST_POLL)
-    gw2 = start_gateway(engine_urls=a.url, **FAST_POLL)  # a replica that cannot reach B
-    wait_for(lambda: all(not e.dirty for e in gw1.app.state.services.engines.engines), 5)
+    a, b, gw1, gw2 = replicas(start_gateway, engines)
     key = make_tenant(redis_url, "acme")
     assert put_vector(gw1, key, "v", 0.25).status_code == 201
     conv = conv_on(gw1, "acme", b, engines)
@@ -457,10 +482,7 @@ def test_a_latch_made_with_the_current_vector_survives_a_move_to_an_engine_that_
     whose conversation moves to B (A went down), which still held the old content. B
     used to find it stale against its own copy and drop a valid latch; now it installs
     Redis's ``v`` and restores the latch, steering exactly as on A."""
-    a, b = start_engines(engines, 2)
-    gw1 = start_gateway(engine_urls=f"{a.url},{b.url}", **FAST_POLL)
-    gw2 = start_gateway(engine_urls=a.url, **FAST_POLL)
-    wait_for(lambda: all(not e.dirty for e in gw1.app.state.services.engines.engines), 5)
+    a, b, gw1, gw2 = replicas(start_gateway, engines)
     key = make_tenant(redis_url, "acme")
     assert put_vector(gw1, key, "v", 0.25).status_code == 201
     assert put_vector(gw2, key, "v", 0.75).status_code == 200  # B keeps 0.25
@@ -484,10 +506,7 @@ def test_a_turn_while_another_stores_the_latch_is_checked_against_redis_too(
     of the latch being stored and of the one before it, so the plain turn is checked
     against Redis (B installs the new content and finds the latch stale); and its
     ``dropped_stale`` does not take the other turn's pending entry with it."""
-    a, b = start_engines(engines, 2)
-    gw1 = start_gateway(engine_urls=f"{a.url},{b.url}", **FAST_POLL)
-    gw2 = start_gateway(engine_urls=a.url, **FAST_POLL)  # a replica that cannot reach B
-    wait_for(lambda: all(not e.dirty for e in gw1.app.state.services.engines.engines), 5)
+    a, b, gw1, gw2 = replicas(start_gateway, engines)
     key = make_tenant(redis_url, "acme")
     client = redis_client(redis_url)
     assert put_vector(gw1, key, "v", 0.25).status_code == 201
@@ -649,13 +668,7 @@ def test_an_engine_found_down_holds_no_vector_write_and_no_tenant_delete(
     vector PUT or DELETE, and a tenant delete, each waited on it up to the engine read
     timeout (600 s). Writes now skip an engine the poller found down: it is dirty, and
     synced from Redis when it is back."""
-    (a,) = start_engines(engines, 1)
-    gw = start_gateway(
-        engine_urls=f"{a.url},{hung_engine_url}",
-        reconcile_interval_s=0.2,
-        engine_sync_interval_s=3600.0,
-    )
-    hung = next(e for e in gw.app.state.services.engines.engines if e.url == hung_engine_url)
+    a, gw, hung = beside_hung(start_gateway, engines, hung_engine_url, 0.2)
     wait_for(lambda: not hung.healthy, 15)
     key = make_tenant(redis_url, "acme")
     auth = {"Authorization": f"Bearer {key}"}
@@ -684,13 +697,7 @@ def test_an_engine_that_hangs_before_the_poller_notices_holds_a_write_seconds_no
     after ``WRITE_TIMEOUT_S`` (10 s; 0.5 s here) and marked dirty, as for any missed
     write: the vector is stored and installed on the others."""
     monkeypatch.setattr(engine_client, "WRITE_TIMEOUT_S", 0.5)
-    (a,) = start_engines(engines, 1)
-    gw = start_gateway(
-        engine_urls=f"{a.url},{hung_engine_url}",
-        reconcile_interval_s=3600.0,
-        engine_sync_interval_s=3600.0,
-    )
-    hung = next(e for e in gw.app.state.services.engines.engines if e.url == hung_engine_url)
+    a, gw, hung = beside_hung(start_gateway, engines, hung_engine_url, 3600.0)
     key = make_tenant(redis_url, "acme")
     hung.healthy, hung.dirty = True, False  # as if it hung just now
     assert put_vector(gw, key, "v", 0.25).status_code == 201  # timeout=10 s
