@@ -137,14 +137,15 @@ local function digest_of(name)
   return string.match(redis.call("HGET", KEYS[10], name) or "", '"digest":"(%x+)"') or ""
 end
 
--- The named vectors of the request, then those the conversation's recorded latch steers
--- with (its entry's names, "bytes:kind:digest:a,b"): their current digests, so the
--- engine bridges only with the content Redis holds.
--- A pending entry ("bytes:kind;a,b": a turn is storing a latch) names the vectors of the
--- latch being stored and of the one before it.
+-- The names in a ledger entry (key_names.LatchEntry): a recorded one's
+-- ("bytes:kind:digest:a,b") are the vectors its latch steers with; a pending one's
+-- ("bytes:kind;a,b": a turn is storing a latch) those of the latch being stored and of
+-- the one before it.
 local function latch_names(info)
   return string.match(info, "^%d+:%a+:[^:]+:(.+)$") or string.match(info, "^%d+:%a+;(.+)$")
 end
+-- The current digests of the request's named vectors, then of the names in the
+-- conversation's entry: the engine bridges only with the content Redis holds.
 local function named_digests(out)
   for i = 1, n_vec do out[#out + 1] = digest_of(ARGV[25 + i]) end
   local refs = latch_names(prev)
