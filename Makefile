@@ -27,13 +27,12 @@ $(STAMP): pyproject.toml
 run: install
 	$(VENV)/bin/steergate up
 
-# Then the gateway suite again, on a local 3-primary Redis Cluster (issue 14).
-CLUSTER_PASS := -m "not engine and not browser and not faults and not own_redis"
-
-# --durations: CI's log names the slowest tests, so its 90-minute budget stays visible.
+# The whole suite, as two streams at once (tests/run_suite.sh says which and why): the
+# tests that serve a real vLLM engine, and the rest followed by the gateway suite again on
+# a local 3-primary Redis Cluster (issue 14). Each stream prints its slowest tests, so
+# CI's 90-minute budget stays visible.
 test: install
-	$(PY) -m pytest --durations=40
-	STEERGATE_TEST_REDIS=cluster $(PY) -m pytest tests/gateway $(CLUSTER_PASS) --durations=15
+	PY=$(PY) bash tests/run_suite.sh
 
 test-fast: install
 	$(PY) -m pytest -m "not engine and not browser"

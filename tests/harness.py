@@ -311,7 +311,11 @@ class EngineProcess:
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"}
 
-    def start(self, timeout: float = 400.0) -> EngineProcess:
+    #: Seconds an engine may take to answer after launch: 75 s on an idle machine, but
+    #: ``make test`` runs the engine tests at nice 19 beside the rest (tests/run_suite.sh).
+    START_TIMEOUT_S = 900.0
+
+    def start(self, timeout: float = START_TIMEOUT_S) -> EngineProcess:
         return self.launch().wait_ready(timeout)
 
     def launch(self) -> EngineProcess:
@@ -329,7 +333,7 @@ class EngineProcess:
         )
         return self
 
-    def wait_ready(self, timeout: float = 400.0) -> EngineProcess:
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> EngineProcess:
         """Until the launched engine answers its info route; stopped and raised if it
         exits or is not ready within ``timeout`` seconds."""
         assert self.proc is not None, "launch() first"

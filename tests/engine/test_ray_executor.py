@@ -213,7 +213,7 @@ def ray_engine(tiny_model: Path) -> Iterator[EngineProcess]:
             "--dtype", "float32", "--tensor-parallel-size", "2",
             "--distributed-executor-backend", f"{__name__}.{CpuRayExecutor.__name__}",
         ],
-    ).start(timeout=600)
+    ).start()
     try:
         yield proc
     finally:

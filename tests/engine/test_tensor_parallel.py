@@ -38,7 +38,7 @@ def tp_engine(tiny_model: Path) -> Iterator[EngineProcess]:
         tiny_model,
         env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
         extra_args=["--dtype", "float32", "--tensor-parallel-size", "2"],
-    ).start(timeout=600)
+    ).start()
     try:
         yield proc
     finally:
