@@ -168,6 +168,12 @@ def test_the_default_model_is_served_in_float32_unless_a_dtype_is_given() -> Non
         ({"STEERGATE_MAX_LATCHED_CONVERSATIONS": "abc"}, [], "STEERGATE_MAX_LATCHED_CONVERSATIONS"),
         ({"REDIS_URL": "foo://bar"}, [], "REDIS_URL: must start with one of redis://"),
         ({"REDIS_URL": "redis://127.0.0.1:1/0"}, [], "cannot reach Redis at REDIS_URL"),
+        # it printed everything after the `@`, a query's password included (found from
+        # outside); `?password=` is how a unix:// URL gives one
+        ({"REDIS_URL": "redis://127.0.0.1:1/0?password=SuperSecretPW"}, [],
+         "cannot reach Redis at REDIS_URL (redis://127.0.0.1:1/0)"),
+        ({"REDIS_URL": "unix:///nonexistent/redis.sock?db=0&password=SuperSecretPW"}, [],
+         "cannot reach Redis at REDIS_URL (unix:///nonexistent/redis.sock)"),
         ({}, ["--model", "/nonexistent/model"], "no such file or directory"),
         ({}, ["--model", "EMPTY"], "not a model directory (it has no config.json)"),
     ],
@@ -190,6 +196,7 @@ def test_up_refuses_bad_settings_redis_and_model_paths_before_starting_the_engin
     assert out.returncode == 2, out.stderr
     assert said in out.stderr and "Traceback" not in out.stderr, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "SuperSecretPW" not in out.stderr + out.stdout
     assert time.monotonic() - started < 30
     assert not home.exists() or not (home / "logs").exists()  # no engine was started
 

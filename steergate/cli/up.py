@@ -38,6 +38,7 @@ from pydantic_settings import BaseSettings
 from steergate.shared.settings import (
     EngineSettings,
     GatewaySettings,
+    display_url,
     port_argument,
     settings_error,
 )
@@ -442,11 +443,6 @@ def _checked(settings_type: type[S], **given: Any) -> S | None:
         return None
 
 
-def _redis_where(redis_url: str) -> str:
-    """REDIS_URL as it may be printed: never its password."""
-    return redis_url.split("@")[-1]
-
-
 def _model_path_problem(model: str | None) -> str | None:
     """Why ``--model`` cannot be served, when it is a local path (a Hugging Face id is
     left to vLLM). Checked before the engine's minute-long start."""
@@ -478,7 +474,7 @@ def _redis_problem(redis_url: str | None, timeout_s: float = 3.0) -> str | None:
     try:
         asyncio.run(ping())
     except Exception as exc:
-        return (f"cannot reach Redis at REDIS_URL ({_redis_where(redis_url)}): "
+        return (f"cannot reach Redis at REDIS_URL ({display_url(redis_url)}): "
                 f"{type(exc).__name__}; start it, "
                 "or unset REDIS_URL for the embedded store")
     return None
@@ -486,7 +482,7 @@ def _redis_problem(redis_url: str | None, timeout_s: float = 3.0) -> str | None:
 
 def _log_store(redis_url: str | None) -> str:
     if redis_url:
-        return f"Redis ({_redis_where(redis_url)})"
+        return f"Redis ({display_url(redis_url)})"
     banner = ("WARNING: REDIS_URL is not set, so the gateway uses its embedded in-process store. "
               "Tenants, keys, quotas and usage live in this process only: they are lost on exit "
               "and cannot be shared by a second gateway. Set REDIS_URL for anything but a demo.")

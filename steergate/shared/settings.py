@@ -7,8 +7,9 @@ without the ``STEERGATE_`` prefix. CLI flags override by passing keyword values.
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Literal
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -25,13 +26,67 @@ from steergate.shared.engine_api import (
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
 
 
+def display_url(url: str) -> str:
+    """A URL as logs, errors, admin pages and metric labels may show it: no
+    ``user:password@`` part, no query (``?password=`` is how a ``unix://`` Redis URL
+    gives its password) and no fragment. Found from outside: ``steergate up`` printed a
+    query's password, and a refused engine URL was quoted whole."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "(a URL that does not parse)"
+    netloc = parts.netloc.rpartition("@")[2]
+    return f"{parts.scheme}://{netloc}{parts.path}" if parts.scheme else netloc + parts.path
+
+
+#: Query parameters REDIS_URL may carry; every other one is refused at start-up. redis-py
+#: passes any name on to the connection, which then raised TypeError on the first command
+#: (a 500 on every request), and ``socket_timeout`` & co. would replace the bound
+#: ``STEERGATE_REDIS_TIMEOUT_S`` sets. The TLS ones need ``rediss://``.
+REDIS_QUERY = frozenset({"db", "username", "password", "client_name"})
+REDIS_TLS_QUERY = frozenset({
+    "ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs",
+    "ssl_check_hostname", "ssl_min_version",
+})
+CERT_REQS = ("none", "optional", "required")
+_QUERY_NAME = re.compile(r"[A-Za-z_]{1,40}")
+
+
+def _redis_query_problem(url: str, scheme: str) -> str | None:
+    """What REDIS_URL's query would make fail later. Names a parameter only when it looks
+    like one (a name, then ``=``), so text typed in its place is never quoted; never
+    quotes a value."""
+    allowed = REDIS_QUERY | REDIS_TLS_QUERY if scheme.startswith("rediss") else REDIS_QUERY
+    if "cluster" in scheme:
+        allowed -= {"db"}  # a Redis Cluster has database 0 only
+    for name, value in parse_qsl(urlsplit(url).query, keep_blank_values=True):
+        if name == "ssl_cert_reqs" and name in allowed and value not in CERT_REQS:
+            return f"its query parameter 'ssl_cert_reqs' is one of {', '.join(CERT_REQS)}"
+        if name in allowed:
+            continue
+        named = _QUERY_NAME.fullmatch(name) and f"{name}=" in urlsplit(url).query
+        which = f"its query parameter {name!r}" if named else "one of its query parameters"
+        if name in REDIS_TLS_QUERY:
+            return f"{which} needs a rediss:// URL"
+        return f"{which} is not one the gateway takes (it takes {', '.join(sorted(allowed))})"
+    from redis.connection import parse_url  # checks db's value and the TLS flags'
+
+    try:
+        parse_url(url.replace("+cluster", "", 1))
+    except ValueError as exc:
+        name = re.search(r"'([A-Za-z_]{1,40})'", str(exc))
+        return f"its query parameter {name.group(1)!r} has an invalid value" if name else (
+            "its query has an invalid value")
+    return None
+
+
 def _redis_url_problem(url: str) -> str | None:
     """What the Redis client would refuse only when it first connects (a traceback after
     start-up), or read silently otherwise (a database path that is not a number meant
     database 0). Found from outside. Never quotes the URL: it may hold a password."""
     parts = urlsplit(url)
-    if parts.scheme == "unix":
-        return None  # a socket path; its database is a query parameter
+    if parts.scheme == "unix":  # a socket path; its database is a query parameter
+        return _redis_query_problem(url, parts.scheme)
     try:
         port = parts.port
     except ValueError:
@@ -43,7 +98,7 @@ def _redis_url_problem(url: str) -> str | None:
         return "its path is a database index: a number (or nothing, for database 0)"
     if path and "cluster" in parts.scheme and int(path) != 0:
         return "a Redis Cluster has database 0 only"
-    return None
+    return _redis_query_problem(url, parts.scheme)
 
 
 class EngineSettings(BaseSettings):
@@ -288,11 +343,11 @@ def check_engine_url(url: str) -> None:
         parts = urlsplit(url)
         port = parts.port  # raises ValueError when out of range or not a number
     except ValueError as exc:
-        raise ValueError(f"not an engine URL: {url!r} ({exc})") from None
+        raise ValueError(f"not an engine URL: {display_url(url)!r} ({exc})") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"not an engine URL: {url!r} (expected http://host:port)")
+        raise ValueError(f"not an engine URL: {display_url(url)!r} (expected http://host:port)")
     if port == 0:
-        raise ValueError(f"not an engine URL: {url!r} (port 0)")
+        raise ValueError(f"not an engine URL: {display_url(url)!r} (port 0)")
 
 
 def port_argument(text: str) -> int:

@@ -28,7 +28,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlencode, urlsplit, urlunsplit
+from urllib.parse import urlencode, urlsplit
 
 import httpx
 import orjson
@@ -37,6 +37,7 @@ from steergate.gateway import tracing
 from steergate.gateway.engines import http1
 from steergate.shared import engine_api, request_id
 from steergate.shared.errors import APIError
+from steergate.shared.settings import display_url
 from steergate.shared.steering import ModelShape
 
 log = logging.getLogger("steergate.gateway.upstream")
@@ -46,15 +47,6 @@ JSON = "application/json"
 
 class UpstreamBroken(Exception):
     """The engine connection failed after the response had started."""
-
-
-def display_url(url: str) -> str:
-    """An engine URL without any ``user:password@`` part: what logs, admin pages and
-    metric labels show, none of which may carry a credential."""
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
 
 
 @dataclass

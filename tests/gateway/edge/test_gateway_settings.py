@@ -30,6 +30,11 @@ SECRETS = {
         ({"STEERGATE_ENGINE_URLS": "127.0.0.1:8191"}, "STEERGATE_ENGINE_URLS", "http://"),
         ({"STEERGATE_ENGINE_URLS": "http://127.0.0.1:99999"}, "STEERGATE_ENGINE_URLS", "range"),
         ({"STEERGATE_ENGINE_URLS": "ftp://engine:8100"}, "STEERGATE_ENGINE_URLS", "http://"),
+        # the refusal quoted the URL whole, credentials included (found from outside)
+        ({"STEERGATE_ENGINE_URLS": "http://ops:SuperSecretPW@127.0.0.1:99999"},
+         "STEERGATE_ENGINE_URLS", "range"),
+        ({"STEERGATE_ENGINE_URLS": "ftp://ops:SuperSecretPW@engine:8100"},
+         "STEERGATE_ENGINE_URLS", "http://"),
         # bound to port 34463 while the log said 99999; a blank host bound every interface
         ({"STEERGATE_PORT": "99999"}, "STEERGATE_PORT", "65535"),
         ({"STEERGATE_HOST": ""}, "STEERGATE_HOST", "at least 1"),
@@ -41,6 +46,24 @@ SECRETS = {
         ({"REDIS_URL": "redis://:SuperSecretPW@127.0.0.1:70000/0"}, "REDIS_URL", "port"),
         ({"REDIS_URL": "redis://:SuperSecretPW@127.0.0.1:6379/abc"}, "REDIS_URL", "database"),
         ({"REDIS_URL": "redis+cluster://127.0.0.1:7000/2"}, "REDIS_URL", "database 0 only"),
+        # the query was not checked (found from outside): a bad db value was a traceback
+        # at start-up; a name the connection does not take (a misspelled one, a TLS one
+        # on redis://) passed the start, then every request was a 500 (TypeError)
+        ({"REDIS_URL": "redis://:SuperSecretPW@127.0.0.1:6379/0?db=abc"}, "REDIS_URL", "'db'"),
+        ({"REDIS_URL": "unix:///tmp/redis.sock?db=x&password=SuperSecretPW"}, "REDIS_URL", "'db'"),
+        ({"REDIS_URL": "redis://127.0.0.1:6379/0?timeout=1&password=SuperSecretPW"}, "REDIS_URL",
+         "'timeout' is not one the gateway takes"),
+        ({"REDIS_URL": "redis://127.0.0.1:6379/0?ssl_ca_certs=/ca.crt"}, "REDIS_URL",
+         "needs a rediss://"),
+        # socket_timeout in the URL would replace STEERGATE_REDIS_TIMEOUT_S's bound
+        ({"REDIS_URL": "redis://127.0.0.1:6379/0?socket_timeout=60"}, "REDIS_URL",
+         "'socket_timeout' is not one"),
+        ({"REDIS_URL": "rediss://127.0.0.1:6380/0?ssl_cert_reqs=bogus"}, "REDIS_URL",
+         "ssl_cert_reqs"),
+        ({"REDIS_URL": "redis+cluster://127.0.0.1:7000?db=1"}, "REDIS_URL", "'db' is not one"),
+        # a password typed where a name goes is never quoted
+        ({"REDIS_URL": "redis://127.0.0.1:6379/0?SuperSecretPW"}, "REDIS_URL",
+         "one of its query parameters"),
         # a pydantic traceback before
         ({"STEERGATE_MAX_BODY_BYTES": ""}, "STEERGATE_MAX_BODY_BYTES", "integer"),
     ],

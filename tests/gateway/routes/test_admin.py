@@ -304,11 +304,16 @@ def test_admin_engines_reports_status_and_a_down_engine(start_gateway, ops: Ops)
     assert by_url[dead]["up"] is False and by_url[dead]["error"]
 
 
-def test_engine_urls_are_shown_without_credentials() -> None:
-    from steergate.gateway.engines.upstream import display_url
+def test_urls_are_shown_without_credentials() -> None:
+    from steergate.shared.settings import display_url
 
     assert display_url("http://user:secret@engine:8100") == "http://engine:8100"
     assert display_url("http://engine:8100") == "http://engine:8100"
+    # Redis URLs (what `steergate up` prints): a query may carry the password
+    assert display_url("redis://:secret@h:6379/0?password=secret#x") == "redis://h:6379/0"
+    assert display_url("unix:///run/redis.sock?db=0&password=secret") == "unix:///run/redis.sock"
+    assert display_url("unix://user:secret@/run/redis.sock") == "unix:///run/redis.sock"
+    assert display_url("http://user:secret@[::1") == "(a URL that does not parse)"
 
 
 def _all_at_once(requests: list[tuple[str, str, str]]) -> list[httpx.Response]:
