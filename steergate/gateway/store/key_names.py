@@ -263,11 +263,12 @@ def vector_keys(tenant_id: str) -> list[str]:
     return [vectors(tenant_id), vector_data(tenant_id)]
 
 
-def all_tenant_keys(tenant_id: str, now_minute: int) -> list[str]:
-    """Every key a tenant can own, for delete (usage minutes: the TTL window)."""
+def tenant_state_keys(tenant_id: str, now_minute: int) -> list[str]:
+    """Every key a tenant can own except its record, for delete and for a create over
+    what an earlier tenant of the id left (usage minutes: the TTL window)."""
     window = USAGE_MINUTE_TTL_S // 60 + 2
     fixed = [
-        tenant_record(tenant_id),
+        key_last_used(tenant_id),
         tenant_keys(tenant_id),
         gcra_requests(tenant_id),
         gcra_tokens(tenant_id),

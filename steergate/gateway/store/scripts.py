@@ -371,6 +371,26 @@ class DropVector(_VectorCall):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class CreateTenant:
+    """create_tenant.lua: a tenant's record where none is, over a clean slate."""
+
+    script: ClassVar[str] = "create_tenant"
+    tenant_id: str
+    record: bytes | str
+    #: Now, in seconds: which usage minutes, days and months an earlier tenant may have left.
+    now: float
+
+    def keys(self) -> Sequence[str]:
+        return [
+            key_names.tenant_record(self.tenant_id),
+            *key_names.tenant_state_keys(self.tenant_id, int(self.now) // 60),
+        ]
+
+    def argv(self) -> list[Any]:
+        return [self.record]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class CasTenant:
     """cas_tenant.lua: compare-and-set a tenant's record (an update)."""
 
@@ -453,6 +473,7 @@ CALLS: tuple[type[LuaCall], ...] = (
     DropLatch,
     PutVector,
     DropVector,
+    CreateTenant,
     CasTenant,
     TakeKey,
     CasKey,
@@ -473,6 +494,7 @@ class Scripts:
     drop_latch: Any
     put_vector: Any
     drop_vector: Any
+    create_tenant: Any
     cas_tenant: Any
     take_key: Any
     cas_key: Any

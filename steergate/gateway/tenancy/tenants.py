@@ -8,6 +8,7 @@ admin keys, in Redis; resolving a presented key (through the auth cache,
 from __future__ import annotations
 
 import builtins
+import contextlib
 import logging
 import math
 import time
@@ -18,8 +19,16 @@ import orjson
 from pydantic import ValidationError
 
 from steergate.gateway.store import key_names as keys
-from steergate.gateway.store.connection import Redis, store_errors
-from steergate.gateway.store.scripts import AddKey, CasKey, CasTenant, Scripts, TakeKey, TenantGone
+from steergate.gateway.store.connection import STORE_FAILURES, Redis, store_errors
+from steergate.gateway.store.scripts import (
+    AddKey,
+    CasKey,
+    CasTenant,
+    CreateTenant,
+    Scripts,
+    TakeKey,
+    TenantGone,
+)
 from steergate.gateway.tenancy import api_keys as apikeys
 from steergate.gateway.tenancy.audit import AuditLog
 from steergate.gateway.tenancy.auth_cache import AuthCache
@@ -103,7 +112,11 @@ class TenantStore:
         create that fails between the two writes (a node lost) leaves an index entry
         without a record, which every reader skips and the retry completes. The other
         order left a tenant that exists but is never listed or counted in the quota
-        sums, and whose retry is 409 (found from outside, on a cluster failover)."""
+        sums, and whose retry is 409 (found from outside, on a cluster failover).
+
+        The record is written by one script that also removes whatever an earlier tenant
+        of the same id left (:class:`CreateTenant`): a tenant created again starts empty
+        even after a delete that failed midway was never retried."""
         check_tenant_id(tenant_id)
         tenant = Tenant(
             id=tenant_id, name=name, limits=as_limits(limits), allow_overcommit=allow_overcommit
@@ -111,7 +124,9 @@ class TenantStore:
         await self._check_overcommit(tenant)
         async with store_errors():
             await self.redis.sadd(keys.TENANT_INDEX, tenant_id)
-            created = await self.redis.set(keys.tenant_record(tenant_id), tenant.record(), nx=True)
+            created = await self.scripts.run(
+                CreateTenant(tenant_id=tenant_id, record=tenant.record(), now=time.time())
+            )
             if not created:
                 raise APIError("tenant_exists", f"tenant '{tenant_id}' already exists", param="id")
         return tenant
@@ -190,32 +205,50 @@ class TenantStore:
         """Remove the tenant with its keys, latches, vectors and usage; the engine-side
         latches and vectors go through ``on_deleted`` (wired to the engine pool). The
         record is taken out first, in one command: of deletes running at once exactly one
-        proceeds (and is audited, and cleans the engines); the others find no tenant."""
+        proceeds (and is audited, and cleans the engines); the others find no tenant.
+
+        A delete that fails after that (a cluster node lost: 503) puts the record back
+        where it can, so its retry finds the tenant and does the whole delete again. It
+        answered 404, with the tenant's keys, vectors and latches left in Redis, the other
+        replicas never told and the engines never cleaned (found from outside)."""
+        record = keys.tenant_record(tenant_id)
         async with store_errors():
-            if not await self.redis.getdel(keys.tenant_record(tenant_id)):
+            raw = await self.redis.getdel(record)
+            if not raw:
                 return False
-            key_rows = await self.redis.hgetall(keys.tenant_keys(tenant_id))
-            latch_ids = list(await self.redis.zrange(keys.latches(tenant_id), 0, -1))
-            vector_names = list(await self.redis.hkeys(keys.vectors(tenant_id)))
-            for row in key_rows.values():
-                for secret in _secrets(row):
-                    await self.redis.delete(keys.key_lookup(secret))
-            for key_id in key_rows:
-                await self.redis.delete(keys.key_owner(key_id))
-            # One slot: every per-tenant key carries the same hash tag.
-            await self.redis.delete(
-                *keys.all_tenant_keys(tenant_id, int(time.time()) // 60),
-                keys.key_last_used(tenant_id),
-            )
-            await self.redis.srem(keys.TENANT_INDEX, tenant_id)
-            await self.events.publish(f"tenant:{tenant_id}")
-            # Its own event too: "tenant:" also stands for an update, and on a delete
-            # every replica forgets the tenant's metric series.
-            await self.events.publish(f"deleted:{tenant_id}")
+            try:
+                latch_ids, vector_names = await self._remove_tenant_state(tenant_id)
+            except STORE_FAILURES:
+                with contextlib.suppress(*STORE_FAILURES):
+                    await self.redis.set(record, raw, nx=True)
+                raise
         self.cache.drop_tenant(tenant_id)
         if self.on_deleted is not None:
             await self.on_deleted(tenant_id, latch_ids, vector_names)
         return True
+
+    async def _remove_tenant_state(self, tenant_id: str) -> tuple[list[str], list[str]]:
+        """Every step of a delete after its record is taken, each safe to repeat; the
+        latches and vectors it removed (for the engines)."""
+        key_rows = await self.redis.hgetall(keys.tenant_keys(tenant_id))
+        latch_ids = list(await self.redis.zrange(keys.latches(tenant_id), 0, -1))
+        vector_names = list(await self.redis.hkeys(keys.vectors(tenant_id)))
+        for row in key_rows.values():
+            for secret in _secrets(row):
+                await self.redis.delete(keys.key_lookup(secret))
+        for key_id in key_rows:
+            await self.redis.delete(keys.key_owner(key_id))
+        # One slot: every per-tenant key carries the same hash tag. Not the record: it
+        # is taken already, and one a create wrote meanwhile is the new tenant's.
+        await self.redis.delete(*keys.tenant_state_keys(tenant_id, int(time.time()) // 60))
+        await self.redis.srem(keys.TENANT_INDEX, tenant_id)
+        if await self.redis.exists(keys.tenant_record(tenant_id)):
+            await self.redis.sadd(keys.TENANT_INDEX, tenant_id)  # created again meanwhile
+        await self.events.publish(f"tenant:{tenant_id}")
+        # Its own event too: "tenant:" also stands for an update, and on a delete
+        # every replica forgets the tenant's metric series.
+        await self.events.publish(f"deleted:{tenant_id}")
+        return latch_ids, vector_names
 
     # -- keys ------------------------------------------------------------------
     #
@@ -371,6 +404,8 @@ class TenantStore:
         else:
             doc.pop("prev_hash", None)
             doc.pop("prev_expires_at", None)
+        # Read before the swap: nothing that can fail may come after the last step.
+        used = await self.redis.hget(keys.key_last_used(tenant.id), key_id)
         new_lookup = keys.key_lookup(new_hash)
         await self.redis.set(new_lookup, lookup_value(tenant, key_id, doc))
         swapped = await self.scripts.run(
@@ -379,8 +414,42 @@ class TenantStore:
         if not swapped:  # revoked or rotated meanwhile; the new secret was never shown
             await self.redis.delete(new_lookup)
             return None
+        try:
+            await self._retire(tenant, key_id, doc, current, older, until if grace_s > 0 else None)
+        except STORE_FAILURES:
+            # The caller answers 503 and the new secret is never shown: the key goes back
+            # to how it was where it can, so the retry rotates from the secret clients
+            # use. Else the retry took the unseen secret for the current one, gave it the
+            # grace, and stopped the one in use at once (found from outside).
+            with contextlib.suppress(*STORE_FAILURES):
+                new = orjson.dumps(doc)
+                if await self.scripts.run(
+                    CasKey(tenant_id=tenant.id, key_id=key_id, expected=new, new=raw)
+                ):
+                    await self.redis.set(
+                        keys.key_lookup(current),
+                        lookup_value(tenant, key_id, orjson.loads(raw)),
+                        xx=True,
+                    )
+                    await self.redis.delete(new_lookup)
+                    await self.redis.set(keys.key_owner(key_id), f"{tenant.id} {current}", xx=True)
+            raise
+        return key_info_from(tenant.id, key_id, doc, used, now), key
+
+    async def _retire(
+        self,
+        tenant: Tenant,
+        key_id: str,
+        doc: dict[str, Any],
+        current: str,
+        older: str | None,
+        until: float | None,
+    ) -> None:
+        """A rotation's steps after its record is swapped: the secret it replaced ends
+        at ``until`` (None: now), one still in an earlier grace ends now, the owner
+        entry names the new secret, and the replicas are told."""
         old_lookup = keys.key_lookup(current)
-        if grace_s > 0:
+        if until is not None:
             # xx: a revoke that ran meanwhile stays a revoke. Redis forgets the entry a
             # little after the grace ends; the grace itself is enforced from ``until``,
             # to the second, on every replica (cached or not).
@@ -394,11 +463,9 @@ class TenantStore:
             await self.redis.delete(old_lookup)
         if older and older != current:
             await self.redis.delete(keys.key_lookup(older))
-        await self.redis.set(keys.key_owner(key_id), f"{tenant.id} {new_hash}", xx=True)
+        await self.redis.set(keys.key_owner(key_id), f"{tenant.id} {doc['hash']}", xx=True)
         # Replicas holding the old secret drop it and re-read it (learning its grace end).
         await self.events.publish(f"key:{key_id}")
-        used = await self.redis.hget(keys.key_last_used(tenant.id), key_id)
-        return key_info_from(tenant.id, key_id, doc, used, now), key
 
     async def resolve(self, raw_key: str) -> KeyMatch | None:
         """The key's tenant and record, or None (unknown, malformed, revoked, or a
@@ -472,16 +539,21 @@ class TenantStore:
         return sorted(out, key=lambda k: (k.created_at, k.key_id))
 
     async def revoke_admin_key(self, key_id: str) -> AdminKey | None:
-        """Revoke an admin key on every replica (pub/sub, like tenant keys)."""
+        """Revoke an admin key on every replica (pub/sub, like tenant keys). The row,
+        which says the key exists, goes last: a revoke that fails midway (503) has
+        already stopped what it could, and its retry finds the key and finishes, where
+        it answered 404 with the replicas never told (found from outside)."""
         async with store_errors():
             row = await self.redis.hget(keys.ADMIN_KEYS, key_id)
-            # HDEL decides: of revokes running at once, one removes the row; the others
-            # find no key (404), as a later revoke would.
-            if not row or not await self.redis.hdel(keys.ADMIN_KEYS, key_id):
+            if not row:
                 return None
             doc = orjson.loads(row)
             await self.redis.delete(keys.admin_key_lookup(doc["hash"]))
             await self.events.publish(f"key:{key_id}")
+            # HDEL decides: of revokes running at once, one removes the row; the others
+            # find no key (404), as a later revoke would.
+            if not await self.redis.hdel(keys.ADMIN_KEYS, key_id):
+                return None
         self.cache.drop_key(key_id)
         return admin_key_from(key_id, doc)
 

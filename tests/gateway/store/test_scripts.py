@@ -255,7 +255,7 @@ async def test_settlement_records_a_latch_only_over_the_pending_entry_its_turn_l
     redis = aredis_client(redis_url)
     scripts = Scripts.load(redis)
     tenant = Tenant(id="rec")
-    await redis.delete(*keys.all_tenant_keys("rec", 1))
+    await redis.delete(*keys.tenant_state_keys("rec", 1), keys.tenant_record("rec"))
     await redis.set(keys.tenant_record("rec"), tenant.record())
     pending, mine = "32:value", "40:value:d1:v"
     before = {"pending": pending, "other": "8:ref:d2:w", "gone": None, "recorded": mine}[current]

@@ -246,13 +246,21 @@ class _LosesANode:
         return call
 
 
+class _ScriptsLost:
+    """Scripts whose node was just lost: every call fails."""
+
+    async def run(self, call: Any) -> Any:
+        raise redis_exceptions.ConnectionError("node lost")
+
+
 async def test_a_create_that_fails_between_its_writes_is_completed_by_its_retry(
     store: TenantStore,
 ) -> None:
     """Found from outside on a cluster failover: the record was written, the index (on
     another node) was not, and the 503's retry was 409. The tenant existed but was never
     listed nor counted in the quota sums. Whichever write comes second fails here."""
-    flaky = TenantStore(_LosesANode(store.redis, ("set", "sadd"), nth=2), PEPPER)  # type: ignore[arg-type]
+    flaky = TenantStore(store.redis, PEPPER)
+    flaky.scripts = _ScriptsLost()  # type: ignore[assignment]
     with pytest.raises(APIError) as failed:
         await flaky.create("acme")
     assert failed.value.code == "store_unavailable"
@@ -285,3 +293,120 @@ async def test_a_revoke_that_fails_midway_has_stopped_the_key_and_its_retry_is_2
     assert message is not None and message["data"] == f"key:{key_id}"
     await told.aclose()
     assert await store.revoke_key(key_id) is None  # revoked: now it is gone (404)
+
+
+@pytest.mark.parametrize("step", ["hgetall", "srem", "publish"])
+async def test_a_tenant_delete_that_fails_midway_is_finished_by_its_retry(
+    redis_url: str, step: str
+) -> None:
+    """Found from outside: the record went first, so a delete whose later step failed
+    (a cluster node lost) answered 503 and its retry 404, with the tenant's keys,
+    vectors and latches left in Redis, the replicas never told and the engines never
+    cleaned. Now the record is put back and the retry does the whole delete."""
+    client = aredis_client(redis_url)
+    seen: list[str] = []
+
+    async def cleanup(tid: str, latches: list[str], vectors: list[str]) -> None:
+        seen.append(tid)
+
+    store = TenantStore(client, PEPPER, on_deleted=cleanup)
+    await store.create("acme")
+    _, key, _ = await store.create_key("acme")
+    await client.hset(keys.vectors("acme"), "calm", "{}")
+    flaky = TenantStore(_LosesANode(client, (step,)), PEPPER, on_deleted=cleanup)  # type: ignore[arg-type]
+    with pytest.raises(APIError) as failed:
+        await flaky.delete("acme")
+    assert failed.value.code == "store_unavailable" and seen == []
+    assert await store.delete("acme") is True  # the retry: 204, not 404
+    assert seen == ["acme"]
+    store.cache.clear()
+    assert await store.resolve_key(key) is None
+    assert not [k async for k in client.scan_iter(match="*acme*")]
+    await client.aclose()
+
+
+async def test_a_tenant_created_again_over_what_a_failed_delete_left_starts_empty(
+    store: TenantStore,
+) -> None:
+    """Found from outside: a delete that failed midway and was never retried (or could
+    not put its record back) left the tenant's keys and vectors, and a tenant created
+    again with the id listed them. The create now clears them in the same call."""
+    await store.create("acme")
+    old_key_id, _, _ = await store.create_key("acme")
+    await store.redis.hset(keys.vectors("acme"), "calm", "{}")
+    await store.redis.delete(keys.tenant_record("acme"))  # what the failed delete left
+    await store.create("acme")
+    assert await store.list_keys("acme") == []
+    assert await store.redis.hkeys(keys.vectors("acme")) == []
+    with pytest.raises(APIError) as taken:  # and the id is still unique
+        await store.create("acme")
+    assert taken.value.code == "tenant_exists"
+
+
+async def test_a_create_during_a_delete_of_its_id_survives_it(store: TenantStore) -> None:
+    """Found from outside: a create landing between the delete's taking the record and
+    its removing the rest answered 201, then the delete removed the new record and its
+    index entry, so the tenant was gone."""
+    await store.create("acme")
+    real_zrange = store.redis.zrange
+
+    async def create_meanwhile(*args: Any, **kwargs: Any) -> Any:
+        await store.create("acme", name="new")
+        return await real_zrange(*args, **kwargs)
+
+    store.redis.zrange = create_meanwhile  # type: ignore[method-assign]
+    try:
+        assert await store.delete("acme") is True
+    finally:
+        del store.redis.zrange
+    assert (await store.require("acme")).name == "new"
+    assert [t.id for t in await store.list()] == ["acme"]
+
+
+@pytest.mark.parametrize("step", ["set", "publish"])
+async def test_a_rotation_that_fails_after_its_swap_leaves_the_secret_in_use_working(
+    store: TenantStore, step: str
+) -> None:
+    """Found from outside: a rotation whose step after the swap failed answered 503 with
+    the new secret unseen; its retry took that secret for the current one, gave it the
+    grace, and stopped the secret every client used at once. Now the key goes back to
+    how it was, and the retry rotates from the secret in use."""
+    await store.create("acme")
+    key_id, key, _ = await store.create_key("acme")
+    # ``set``: the first after the swap is the old secret's grace (the one before it is
+    # the new secret's entry, written before the swap).
+    flaky = TenantStore(_LosesANode(store.redis, (step,), nth=2 if step == "set" else 1), PEPPER)  # type: ignore[arg-type]
+    with pytest.raises(APIError) as failed:
+        await flaky.rotate_key(key_id, grace_s=3600)
+    assert failed.value.code == "store_unavailable"
+    store.cache.clear()
+    match = await store.resolve(key)
+    assert match is not None and match.valid_until is None  # as before: no grace begun
+    rotated = await store.rotate_key(key_id, grace_s=3600)  # the retry
+    assert rotated is not None
+    store.cache.clear()
+    match = await store.resolve(key)
+    assert match is not None and match.valid_until is not None  # now in its grace
+    assert await store.resolve_key(rotated[1]) is not None
+
+
+async def test_an_admin_key_revoke_that_fails_midway_is_finished_by_its_retry(
+    store: TenantStore,
+) -> None:
+    """Found from outside: the row went first, so a revoke whose telling the replicas
+    failed answered 503 and its retry 404; the other replicas kept the key cached."""
+    admin, raw = await store.create_admin_key("viewer")
+    flaky = TenantStore(_LosesANode(store.redis, ("publish",)), PEPPER)  # type: ignore[arg-type]
+    with pytest.raises(APIError) as failed:
+        await flaky.revoke_admin_key(admin.key_id)
+    assert failed.value.code == "store_unavailable"
+    store.cache.clear()
+    assert await store.resolve_admin(raw) is None  # stopped at the first attempt
+    told = store.redis.pubsub()
+    await told.subscribe(keys.EVENTS_CHANNEL)
+    await told.get_message(timeout=1)
+    assert await store.revoke_admin_key(admin.key_id) is not None  # the retry: 204
+    message = await told.get_message(timeout=2)
+    assert message is not None and message["data"] == f"key:{admin.key_id}"
+    await told.aclose()
+    assert await store.revoke_admin_key(admin.key_id) is None
