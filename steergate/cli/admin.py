@@ -38,6 +38,7 @@ from steergate.cli.tables import (
     usage_table,
 )
 from steergate.gateway.admission.units import parse_bytes
+from steergate.shared.settings import display_url
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 LIMIT_FLAGS: dict[str, tuple[str, Callable[[str], int | str]]] = {
@@ -72,7 +73,9 @@ class AdminClient:
                 timeout=timeout,
             )
         except httpx.InvalidURL as exc:
-            raise CLIError(f"not a gateway URL: {base_url!r} ({exc})", exit_code=2) from None
+            raise CLIError(
+                f"not a gateway URL: {display_url(base_url)!r} ({exc})", exit_code=2
+            ) from None
 
     def __enter__(self) -> AdminClient:
         return self
@@ -88,7 +91,8 @@ class AdminClient:
             return response.json()
         except ValueError:
             raise CLIError(
-                f"{self._http.base_url} answered {response.status_code} with something "
+                f"{display_url(str(self._http.base_url))} answered {response.status_code} with "
+                "something "
                 "that is not JSON: is it the gateway? (set STEERGATE_GATEWAY_URL or --url)"
             ) from None
 
@@ -101,7 +105,8 @@ class AdminClient:
             response = self._http.request(method, path, **kwargs)
         except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise CLIError(
-                f"cannot reach the gateway at {self._http.base_url}: {type(exc).__name__}"
+                f"cannot reach the gateway at {display_url(str(self._http.base_url))}: "
+                f"{type(exc).__name__}"
                 " (set STEERGATE_GATEWAY_URL or --url)"
             ) from exc
         if response.status_code >= 400:
@@ -148,7 +153,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--url",
         default=os.environ.get("STEERGATE_GATEWAY_URL", DEFAULT_URL),
-        help="gateway base URL (env STEERGATE_GATEWAY_URL, default %(default)s)",
+        help=f"gateway base URL (default: env STEERGATE_GATEWAY_URL, else {DEFAULT_URL})",
     )
     parser.add_argument(
         "--json", action="store_true", help="print the API's JSON instead of tables"
@@ -446,7 +451,8 @@ def _key_action(client: AdminClient, args: argparse.Namespace, out: Console) -> 
         client.call("DELETE", f"/admin/keys/{path_segment(args.key_id, 'key id')}")
         _emit(out, args, {"revoked": args.key_id}, lambda: f"revoked key {args.key_id}")
     elif args.action == "rotate":
-        body = {} if args.grace is None else {"grace_s": int(args.grace)}
+        # Whole seconds, rounded up: 0.5 s was 0, which ends the old secret at once.
+        body = {} if args.grace is None else {"grace_s": math.ceil(args.grace)}
         path = f"/admin/keys/{path_segment(args.key_id, 'key id')}/rotate"
         rotated = client.call("POST", path, json=body)
         until = rotated.get("previous_expires_at")
@@ -633,7 +639,11 @@ def _confirm(yes: bool, question: str) -> None:
         return
     if not sys.stdin.isatty():
         raise CLIError("refusing to delete without confirmation: pass --yes", exit_code=2)
-    if input(f"{question} [y/N] ").strip().lower() not in {"y", "yes"}:
+    try:
+        answer = input(f"{question} [y/N] ")
+    except (EOFError, KeyboardInterrupt):  # Ctrl-D or Ctrl-C: a traceback before
+        answer = ""
+    if answer.strip().lower() not in {"y", "yes"}:
         raise CLIError("cancelled", exit_code=1)
 
 

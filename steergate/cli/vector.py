@@ -22,6 +22,7 @@ from rich.table import Table
 
 from steergate.cli.admin import DEFAULT_URL, CLIError, check_key, path_segment
 from steergate.cli.tables import console
+from steergate.shared.settings import display_url
 
 HOOKS = ("pre_attn", "post_attn", "post_block")
 #: Making a vector runs every example through the model: minutes on a busy CPU.
@@ -104,7 +105,7 @@ def _parser() -> argparse.ArgumentParser:
     make.add_argument(
         "--url",
         default=os.environ.get("STEERGATE_GATEWAY_URL", DEFAULT_URL),
-        help="gateway base URL (env STEERGATE_GATEWAY_URL, default %(default)s)",
+        help=f"gateway base URL (default: env STEERGATE_GATEWAY_URL, else {DEFAULT_URL})",
     )
     make.add_argument("--json", action="store_true", help="print the API's JSON")
     return parser
@@ -153,7 +154,7 @@ def main(argv: Sequence[str]) -> int:
         )
     except (httpx.HTTPError, httpx.InvalidURL) as exc:
         err.print(
-            f"error: cannot reach the gateway at {args.url}: {type(exc).__name__}"
+            f"error: cannot reach the gateway at {display_url(args.url)}: {type(exc).__name__}"
             " (set STEERGATE_GATEWAY_URL or --url)",
             markup=False,
         )
@@ -166,7 +167,8 @@ def main(argv: Sequence[str]) -> int:
         doc = r.json()
     except ValueError:
         err.print(
-            f"error: {args.url} answered {r.status_code} with something that is not JSON: "
+            f"error: {display_url(args.url)} answered {r.status_code} with something that is "
+            "not JSON: "
             "is it the gateway? (set STEERGATE_GATEWAY_URL or --url)",
             markup=False,
         )

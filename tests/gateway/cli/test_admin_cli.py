@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 
@@ -73,6 +74,11 @@ def test_key_create_prints_the_key_once_list_masks_it_and_revoke_works(cli, ops:
     assert key not in out and key[12:] not in out
     code, out, _ = cli("tenant", "show", "acme")
     assert key not in out and key[12:] not in out
+
+    # A grace under a second is one second, not 0 (which ends the old secret at once).
+    code, out, _ = cli("key", "rotate", key_id, "--grace", "0.5", "--json")
+    assert code == 0 and json.loads(out)["grace_s"] == 1, out
+    assert ops.get(key, "/v1/usage").status_code == 200
 
     code, out, _ = cli("key", "revoke", key_id)
     assert code == 0 and "revoked" in out
@@ -247,3 +253,69 @@ def test_names_are_printed_as_they_are_never_read_as_markup(cli, ops: Ops) -> No
     assert "[bold]k[/bold] :smile:" in out
     code, out, err = cli("audit")
     assert code == 0 and "[link=https://evil.example]" in out, err
+
+
+def test_a_gateway_url_with_credentials_is_never_printed(  # type: ignore[no-untyped-def]
+    cli, monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """Found from outside: an unreachable gateway was named with its URL whole, user,
+    password and query included, and ``--help`` showed STEERGATE_GATEWAY_URL's value."""
+    dead = f"http://ops:SuperSecretPW@127.0.0.1:{free_port()}/?token=SuperSecretPW"
+    code, out, err = cli("tenant", "list", "--url", dead)
+    assert code == 1 and "cannot reach the gateway at http://127.0.0.1:" in err, err
+    assert "SuperSecretPW" not in out + err
+    (tmp_path / "pos.txt").write_text("calm\n")
+    (tmp_path / "neg.txt").write_text("angry\n")
+    monkeypatch.setenv("STEERGATE_API_KEY", "sk-sg-" + "a" * 43)
+    code, out, err = cli("vector", "from-examples", "calm", "--url", dead,
+                         "--positive", str(tmp_path / "pos.txt"),
+                         "--negative", str(tmp_path / "neg.txt"))  # fmt: skip
+    assert code == 1 and "cannot reach the gateway at http://127.0.0.1:" in err, err
+    assert "SuperSecretPW" not in out + err
+    monkeypatch.setenv("STEERGATE_GATEWAY_URL", dead)
+    for argv in (("tenant", "list", "--help"), ("vector", "from-examples", "--help")):
+        code, out, err = cli(*argv)
+        assert code == 0 and "SuperSecretPW" not in out + err, (argv, out)
+
+
+def test_ctrl_d_or_ctrl_c_at_the_delete_prompt_cancels_without_a_traceback(
+    ops: Ops,
+) -> None:
+    """The ``[y/N]`` prompt of ``tenant delete`` (a terminal's stdin) ended in an
+    EOFError or KeyboardInterrupt traceback."""
+    import os
+    import pty
+    import select
+    import signal
+    import subprocess
+
+    from tests.harness import steergate_popen
+
+    ops.tenant("acme")
+    env = {"STEERGATE_GATEWAY_URL": ops.url, "STEERGATE_ADMIN_KEY": ADMIN_KEY}
+    for press in ("ctrl-d", "ctrl-c"):
+        main, terminal = pty.openpty()
+        # SIGINT as a terminal's process gets it (a test run in the background has it
+        # ignored, and a child inherits that)
+        default_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+        proc = steergate_popen(["tenant", "delete", "acme"], env, stdin=terminal,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               preexec_fn=default_sigint)  # fmt: skip
+        os.close(terminal)
+        assert proc.stdout is not None
+        shown, deadline = b"", time.monotonic() + 30
+        while b"[y/N]" not in shown and time.monotonic() < deadline:
+            if select.select([proc.stdout], [], [], 1)[0]:
+                shown += os.read(proc.stdout.fileno(), 4096)
+        assert b"[y/N]" in shown, shown
+        # As a person would: after the prompt's read has begun (a signal that lands
+        # between the prompt's flush and the read is seen only when the read returns).
+        time.sleep(0.5)
+        if press == "ctrl-d":
+            os.write(main, b"\x04")  # the terminal's end of input
+        else:
+            proc.send_signal(signal.SIGINT)  # what the terminal sends its foreground
+        _, err = proc.communicate(timeout=30)
+        os.close(main)
+        assert proc.returncode == 1 and b"cancelled" in err and b"Traceback" not in err, err
+    assert ops.admin("GET", "/admin/tenants/acme").status_code == 200
