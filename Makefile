@@ -27,10 +27,10 @@ $(STAMP): pyproject.toml
 run: install
 	$(VENV)/bin/steergate up
 
-# The whole suite, as two streams at once (tests/run_suite.sh says which and why): the
-# tests that serve a real vLLM engine, and the rest followed by the gateway suite again on
-# a local 3-primary Redis Cluster (issue 14). Each stream prints its slowest tests, so
-# CI's 90-minute budget stays visible.
+# The whole suite, as three streams at once (tests/run_suite.sh says which and why): the
+# gateway's tests followed by the gateway suite again on a local 3-primary Redis Cluster
+# (issue 14), the architecture matrix, and the other tests that serve a real vLLM engine.
+# Each stream prints its slowest tests, so CI's 90-minute budget stays visible.
 test: install
 	PY=$(PY) bash tests/run_suite.sh
 
