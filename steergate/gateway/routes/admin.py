@@ -37,6 +37,7 @@ from steergate.gateway.tenancy.records import (
     MAX_NAME,
     SCOPES,
     AdminKey,
+    KeyInfo,
     KeyLimits,
     Limits,
     Tenant,
@@ -306,22 +307,27 @@ async def rotate_key(key_id: str, request: Request) -> JSONResponse:
         raise InvalidField(
             "grace_s", f"'grace_s' must be an integer from 0 to {MAX_GRACE_S} (7 days)"
         )
-    rotated = await _store(request).rotate_key(key_id, grace)
+
+    async def record(info: KeyInfo) -> None:
+        # A step of the rotation: if it fails, the rotation is undone (the 503's retry
+        # must not find an unseen secret in place of the one in use).
+        await _audit(
+            request,
+            "key.rotate",
+            key_id,
+            {
+                "tenant_id": info.tenant_id,
+                "grace_s": grace,
+                "previous_expires_at": info.public()["previous_expires_at"],
+            },
+        )
+
+    rotated = await _store(request).rotate_key(key_id, grace, recorded=record)
     if rotated is None:
         raise APIError("key_not_found", f"no key {_shown(key_id)}", param="key_id")
     info, key = rotated
     log.info("key %s rotated (grace %d s)", key_id, grace)
     public = info.public()
-    await _audit(
-        request,
-        "key.rotate",
-        key_id,
-        {
-            "tenant_id": info.tenant_id,
-            "grace_s": grace,
-            "previous_expires_at": public["previous_expires_at"],
-        },
-    )
     return JSONResponse(
         {"key": key, "grace_s": grace, **public}, headers={"Cache-Control": "no-store"}
     )

@@ -355,7 +355,10 @@ class TenantStore:
         return tenant_id
 
     async def rotate_key(
-        self, key_id: str, grace_s: int = DEFAULT_GRACE_S
+        self,
+        key_id: str,
+        grace_s: int = DEFAULT_GRACE_S,
+        recorded: Callable[[KeyInfo], Awaitable[None]] | None = None,
     ) -> tuple[KeyInfo, str] | None:
         """Give the key a new secret (same key id, name, scopes, limits, expiry). The
         current secret keeps working for ``grace_s`` seconds, then answers 401; a secret
@@ -365,7 +368,10 @@ class TenantStore:
         of the same key never leaves a secret behind that the record does not name. A
         rotation that loses the compare-and-set ``CAS_ATTEMPTS`` times to other
         changes of the same key is 409 ``key_changed`` (retrying is safe): it is not
-        a missing key."""
+        a missing key.
+
+        ``recorded`` (the route's audit entry) is the rotation's last step: if it fails,
+        the rotation is undone like one whose own steps failed (below)."""
         async with store_errors():
             for _ in range(CAS_ATTEMPTS):
                 owner = await self.redis.get(keys.key_owner(key_id))
@@ -376,7 +382,7 @@ class TenantStore:
                 raw = await self.redis.hget(keys.tenant_keys(tenant_id), key_id)
                 if tenant is None or not raw:
                     return None
-                rotated = await self._rotate_once(tenant, key_id, raw, grace_s)
+                rotated = await self._rotate_once(tenant, key_id, raw, grace_s, recorded)
                 if rotated is not None:
                     break
             else:
@@ -390,7 +396,12 @@ class TenantStore:
             return rotated
 
     async def _rotate_once(
-        self, tenant: Tenant, key_id: str, raw: str, grace_s: int
+        self,
+        tenant: Tenant,
+        key_id: str,
+        raw: str,
+        grace_s: int,
+        recorded: Callable[[KeyInfo], Awaitable[None]] | None,
     ) -> tuple[KeyInfo, str] | None:
         doc = orjson.loads(raw)
         now = time.time()
@@ -414,14 +425,17 @@ class TenantStore:
         if not swapped:  # revoked or rotated meanwhile; the new secret was never shown
             await self.redis.delete(new_lookup)
             return None
+        info = key_info_from(tenant.id, key_id, doc, used, now)
         try:
             await self._retire(tenant, key_id, doc, current, older, until if grace_s > 0 else None)
-        except STORE_FAILURES:
-            # The caller answers 503 and the new secret is never shown: the key goes back
-            # to how it was where it can, so the retry rotates from the secret clients
-            # use. Else the retry took the unseen secret for the current one, gave it the
-            # grace, and stopped the one in use at once (found from outside).
-            with contextlib.suppress(*STORE_FAILURES):
+            if recorded is not None:
+                await recorded(info)
+        except BaseException:
+            # The caller answers an error (503) and the new secret is never shown: the key
+            # goes back to how it was where it can, so the retry rotates from the secret
+            # clients use. Else the retry took the unseen secret for the current one, gave
+            # it the grace, and stopped the one in use at once (found from outside).
+            with contextlib.suppress(Exception):
                 new = orjson.dumps(doc)
                 if await self.scripts.run(
                     CasKey(tenant_id=tenant.id, key_id=key_id, expected=new, new=raw)
@@ -434,7 +448,7 @@ class TenantStore:
                     await self.redis.delete(new_lookup)
                     await self.redis.set(keys.key_owner(key_id), f"{tenant.id} {current}", xx=True)
             raise
-        return key_info_from(tenant.id, key_id, doc, used, now), key
+        return info, key
 
     async def _retire(
         self,

@@ -363,21 +363,27 @@ async def test_a_create_during_a_delete_of_its_id_survives_it(store: TenantStore
     assert [t.id for t in await store.list()] == ["acme"]
 
 
-@pytest.mark.parametrize("step", ["set", "publish"])
+@pytest.mark.parametrize("step", ["set", "publish", "audit"])
 async def test_a_rotation_that_fails_after_its_swap_leaves_the_secret_in_use_working(
     store: TenantStore, step: str
 ) -> None:
     """Found from outside: a rotation whose step after the swap failed answered 503 with
     the new secret unseen; its retry took that secret for the current one, gave it the
     grace, and stopped the secret every client used at once. Now the key goes back to
-    how it was, and the retry rotates from the secret in use."""
+    how it was, and the retry rotates from the secret in use. ``audit``: the route's
+    audit entry, the rotation's last step, failed."""
     await store.create("acme")
     key_id, key, _ = await store.create_key("acme")
+
+    async def audit_lost(info: Any) -> None:
+        raise APIError("store_unavailable", "the audit stream's node was lost")
+
     # ``set``: the first after the swap is the old secret's grace (the one before it is
     # the new secret's entry, written before the swap).
-    flaky = TenantStore(_LosesANode(store.redis, (step,), nth=2 if step == "set" else 1), PEPPER)  # type: ignore[arg-type]
+    methods = () if step == "audit" else (step,)
+    flaky = TenantStore(_LosesANode(store.redis, methods, nth=2 if step == "set" else 1), PEPPER)  # type: ignore[arg-type]
     with pytest.raises(APIError) as failed:
-        await flaky.rotate_key(key_id, grace_s=3600)
+        await flaky.rotate_key(key_id, 3600, recorded=audit_lost if step == "audit" else None)
     assert failed.value.code == "store_unavailable"
     store.cache.clear()
     match = await store.resolve(key)
