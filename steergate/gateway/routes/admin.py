@@ -241,9 +241,7 @@ async def update_tenant(tenant_id: str, request: Request) -> dict[str, Any]:
     if "id" in body and body["id"] != tenant_id:
         raise InvalidField("id", "a tenant's id cannot be changed")
     body.pop("id", None)
-    store = _store(request)
-    before = await store.require(tenant_id)
-    tenant = await store.update(tenant_id, body)
+    before, tenant = await _store(request).update_from(tenant_id, body)
     log.info("tenant %s updated", tenant_id)
     public = _public(tenant)
     await _audit(request, "tenant.update", tenant_id, _changes(_public(before), public))

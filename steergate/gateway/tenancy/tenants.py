@@ -157,6 +157,12 @@ class TenantStore:
         into, so updates running at once each keep their change (one that loses the race
         merges again, ``CAS_ATTEMPTS`` times, then 409 ``tenant_changed``), and an
         update never brings back a tenant deleted meanwhile."""
+        return (await self.update_from(tenant_id, patch))[1]
+
+    async def update_from(self, tenant_id: str, patch: dict[str, Any]) -> tuple[Tenant, Tenant]:
+        """:meth:`update`, with the record the patch was merged into: (before, after).
+        What the update changed is their difference; a record read before the call could
+        credit this update with another's change (found from outside)."""
         for _ in range(CAS_ATTEMPTS):
             async with store_errors():
                 raw = await self.redis.get(keys.tenant_record(tenant_id))
@@ -165,7 +171,8 @@ class TenantStore:
             reject_unknown(patch, ("name", "limits", "allow_overcommit"))
             if patch.get("limits") is not None and not isinstance(patch["limits"], dict):
                 raise APIError("invalid_request", "'limits' must be an object", param="limits")
-            updated = self._patched(Tenant.from_record(raw), patch)
+            before = Tenant.from_record(raw)
+            updated = self._patched(before, patch)
             await self._check_overcommit(updated)
             async with store_errors():
                 swapped = await self.scripts.run(
@@ -182,7 +189,7 @@ class TenantStore:
                 param="id",
             )
         self.cache.drop_tenant(tenant_id)
-        return updated
+        return before, updated
 
     @staticmethod
     def _patched(current: Tenant, patch: dict[str, Any]) -> Tenant:

@@ -416,3 +416,29 @@ async def test_an_admin_key_revoke_that_fails_midway_is_finished_by_its_retry(
     assert message is not None and message["data"] == f"key:{admin.key_id}"
     await told.aclose()
     assert await store.revoke_admin_key(admin.key_id) is None
+
+
+async def test_an_update_names_the_record_it_merged_into_not_one_read_before(
+    store: TenantStore, redis_url: str
+) -> None:
+    """Found from outside: the audit entry of ``PATCH /admin/tenants/{id}`` diffed against
+    a record read before the update ran, so a PATCH by another admin that landed in
+    between was listed as this one's change. ``update_from`` gives the record the patch
+    was merged into, and the route diffs against it."""
+    await store.create("acme", limits={"rpm": 10, "tpm": 100})
+    other = TenantStore(aredis_client(redis_url), PEPPER)
+    real_get = store.redis.get
+
+    async def other_patch_lands_first(*args: Any, **kwargs: Any) -> Any:
+        store.redis.get = real_get  # type: ignore[method-assign]
+        await other.update("acme", {"limits": {"tpm": 777}})
+        return await real_get(*args, **kwargs)
+
+    store.redis.get = other_patch_lands_first  # type: ignore[method-assign]
+    try:
+        before, after = await store.update_from("acme", {"limits": {"rpm": 5}})
+    finally:
+        store.redis.get = real_get  # type: ignore[method-assign]
+        await other.redis.aclose()
+    assert (before.limits.rpm, before.limits.tpm) == (10, 777)
+    assert (after.limits.rpm, after.limits.tpm) == (5, 777)
