@@ -13,6 +13,7 @@ import time
 
 import httpx
 import orjson
+import pytest
 
 from steergate.gateway.store import key_names as keys
 from tests.gateway.conftest import make_tenant
@@ -33,6 +34,7 @@ def poison(n_values: int = 1_200_000) -> bytes:
     )
 
 
+@pytest.mark.timed
 def test_invalid_big_bodies_are_refused_before_admission_and_do_not_stall_others(
     gateway: ServerThread, redis_url: str
 ) -> None:

@@ -14,6 +14,8 @@ from tests.gateway.conftest import FakeEngine, installed_gateway, make_tenant
 from tests.gateway.hostile_load import p95, probe, summary, under_attack
 from tests.harness import GatewayProcess
 
+pytestmark = pytest.mark.timed
+
 ATTACK_S = 8.0
 
 

@@ -10,6 +10,7 @@ import time
 
 import httpx
 import numpy as np
+import pytest
 
 from tests.gateway.conftest import make_tenant
 from tests.gateway.servers import ServerThread
@@ -29,6 +30,7 @@ def huge_array_gguf(n_bytes: int) -> bytes:
 MANY_KV = b"GGUF" + struct.pack("<IQQ", 3, 1, 10**6) + b"\0" * 200_000
 
 
+@pytest.mark.timed
 def test_hostile_gguf_uploads_are_refused_fast_and_do_not_stall_other_requests(
     gateway: ServerThread, redis_url: str
 ) -> None:

@@ -383,6 +383,7 @@ WRITES = {
 }  # fmt: skip
 
 
+@pytest.mark.timed
 def test_last_used_appears_after_the_flush_and_costs_no_redis_write_per_request(
     ops: Ops, redis_url: str
 ) -> None:
