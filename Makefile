@@ -27,11 +27,10 @@ $(STAMP): pyproject.toml
 run: install
 	$(VENV)/bin/steergate up
 
-# The whole suite, as three streams at once (tests/run_suite.sh says which and why): the
-# gateway's tests followed by the gateway suite again on a local 3-primary Redis Cluster
-# (issue 14), the architecture matrix, and the other tests that serve a real vLLM engine;
-# then the timed tests alone. Each prints its slowest tests, so CI's 90-minute budget
-# stays visible.
+# The gateway's tests alone, then the gateway suite again on a local 3-primary Redis
+# Cluster (issue 14), then the engine tests as two streams side by side (the architecture
+# matrix, the rest): tests/run_suite.sh says why. Each part prints its slowest tests, so
+# CI's 90-minute budget stays visible.
 test: install
 	PY=$(PY) bash tests/run_suite.sh
 

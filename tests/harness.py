@@ -312,7 +312,7 @@ class EngineProcess:
         return {"Authorization": f"Bearer {self.token}"}
 
     #: Seconds an engine may take to answer after launch: 75 s on an idle machine, but
-    #: ``make test`` runs the engine tests at idle priority beside the rest (tests/run_suite.sh).
+    #: ``make test`` runs two engine streams side by side (tests/run_suite.sh).
     START_TIMEOUT_S = 900.0
 
     def start(self, timeout: float = START_TIMEOUT_S) -> EngineProcess:

@@ -28,7 +28,7 @@ from tests.harness import CACHE, free_port, real_model_dir, steergate_popen
 pytestmark = pytest.mark.engine
 
 READY_LINE = "Ctrl-C stops everything."
-START_TIMEOUT_S = 900  # the engine tests run at idle priority beside the rest (tests/run_suite.sh)
+START_TIMEOUT_S = 900  # two engine streams run side by side (tests/run_suite.sh)
 
 
 @dataclass

@@ -168,8 +168,8 @@ def test_client_leaving_a_unary_request_stops_the_engine_generating(
             timeout=1.5,
         )
     left = time.monotonic()
-    # 10 s, not the abort's own few: `make test` runs this engine at idle priority beside the
-    # gateway tests. Without the abort the engine would still run, and the token count
+    # 10 s, not the abort's own few: `make test` runs this engine beside the architecture
+    # matrix's. Without the abort the engine would still run, and the token count
     # below would show it.
     while (load := _engine_load(engine))[0]:
         assert time.monotonic() < left + 10, f"the engine still runs {load[0]} requests"
