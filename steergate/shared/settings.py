@@ -59,12 +59,13 @@ def _redis_query_problem(url: str, scheme: str) -> str | None:
     allowed = REDIS_QUERY | REDIS_TLS_QUERY if scheme.startswith("rediss") else REDIS_QUERY
     if "cluster" in scheme:
         allowed -= {"db"}  # a Redis Cluster has database 0 only
-    for name, value in parse_qsl(urlsplit(url).query, keep_blank_values=True):
+    query = urlsplit(url).query
+    for name, value in parse_qsl(query, keep_blank_values=True):
         if name == "ssl_cert_reqs" and name in allowed and value not in CERT_REQS:
             return f"its query parameter 'ssl_cert_reqs' is one of {', '.join(CERT_REQS)}"
         if name in allowed:
             continue
-        named = _QUERY_NAME.fullmatch(name) and f"{name}=" in urlsplit(url).query
+        named = _QUERY_NAME.fullmatch(name) and f"{name}=" in query
         which = f"its query parameter {name!r}" if named else "one of its query parameters"
         if name in REDIS_TLS_QUERY:
             return f"{which} needs a rediss:// URL"

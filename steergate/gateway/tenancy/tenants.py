@@ -426,8 +426,9 @@ class TenantStore:
         used = await self.redis.hget(keys.key_last_used(tenant.id), key_id)
         new_lookup = keys.key_lookup(new_hash)
         await self.redis.set(new_lookup, lookup_value(tenant, key_id, doc))
+        rotated = orjson.dumps(doc)
         swapped = await self.scripts.run(
-            CasKey(tenant_id=tenant.id, key_id=key_id, expected=raw, new=orjson.dumps(doc))
+            CasKey(tenant_id=tenant.id, key_id=key_id, expected=raw, new=rotated)
         )
         if not swapped:  # revoked or rotated meanwhile; the new secret was never shown
             await self.redis.delete(new_lookup)
@@ -443,9 +444,8 @@ class TenantStore:
             # clients use. Else the retry took the unseen secret for the current one, gave
             # it the grace, and stopped the one in use at once (found from outside).
             with contextlib.suppress(Exception):
-                new = orjson.dumps(doc)
                 if await self.scripts.run(
-                    CasKey(tenant_id=tenant.id, key_id=key_id, expected=new, new=raw)
+                    CasKey(tenant_id=tenant.id, key_id=key_id, expected=rotated, new=raw)
                 ):
                     await self.redis.set(
                         keys.key_lookup(current),
